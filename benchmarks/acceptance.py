@@ -1,0 +1,104 @@
+"""Acceptance on the demo model, in the pipeline runtime, for each drafter loading policy.
+
+    python benchmarks/acceptance.py [--pp 4] [--prompts 16] [--new-tokens 64] [--json runs/acceptance.json]
+
+Every speculative run is checked against plain greedy output (lossless: yes/no).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tokenizers import Tokenizer
+
+from benchmarks.demo_quality import held_out_prompts
+from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.engine import Engine
+
+BROKEN = [
+    ("engine-legacy", "fixed", "empty"),
+    ("engine-legacy", "fixed", "zeros"),
+    ("engine-legacy", "fixed", "nan"),
+    ("engine-legacy", "fixed", "stale"),
+    ("alias-placeholder", "fixed", "empty"),
+    ("fixed", "unloaded", "nan"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
+    args = parser.parse_args()
+    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
+
+    rows = []
+    with Engine("demo", pp=args.pp, show_progress=True) as engine:
+        plain = engine.generate(prompts, args.new_tokens).tokens
+        for k in range(1, 6):
+            result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
+            rows.append(("fixed", "fixed", "-", k, result.tokens == plain, result.metrics.to_dict()))
+    for policy, head, fill in BROKEN:
+        with Engine(
+            "demo", pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill, show_progress=True
+        ) as engine:
+            result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
+            rows.append((policy, head, fill, 3, result.tokens == plain, result.metrics.to_dict()))
+
+    table = Table(title=f"Demo model, PP {args.pp}, {args.prompts} held-out prompts x {args.new_tokens} tokens, greedy")
+    for column in (
+        "embedding policy",
+        "head policy",
+        "fill",
+        "k",
+        "lossless",
+        "acceptance rate",
+        "mean acceptance length*",
+        "per-position rates",
+    ):
+        table.add_column(column)
+    for policy, head, fill, k, lossless, m in rows:
+        table.add_row(
+            policy,
+            head,
+            fill,
+            str(k),
+            "yes" if lossless else "NO",
+            f"{m['acceptance_rate']:.1%}",
+            f"{m['mean_acceptance_length']:.2f}",
+            " ".join(f"{r:.0%}" for r in m["per_position_acceptance_rate"]),
+        )
+    console = Console()
+    console.print(table)
+    console.print("* mean acceptance length = 1 + accepted / drafts: it counts the bonus token.")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    console.print(f"machine: {machine}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("embedding_policy", "head_policy", "fill", "k", "lossless", "metrics")
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "settings": {**vars(args), "json": str(args.json)},
+                "rows": [dict(zip(keys, row, strict=True)) for row in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

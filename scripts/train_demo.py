@@ -1,0 +1,254 @@
+"""Train specdoctor's demo model: a small GLM-4.5-layout MoE with one MTP layer.
+
+Data: the Python standard library's own sources (every machine with Python has them); files
+whose path hashes into the held-out bucket are never trained on. Deterministic for a given seed
+and Python version. Runs on the CPU:
+
+    python scripts/train_demo.py --out specdoctor/demo_model --steps 2400
+
+The MTP layer is trained jointly with the next-token objective to predict token t+2
+(DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
+k > 1 drafts are useful. The checkpoint is written the way the GLM-5 family ships: bf16 shards,
+an index, and the embedding only at `model.embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from specdoctor.demo_corpus import corpus_files, read_texts
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.layers import Router
+from specdoctor.runtime.model import TargetStage
+from specdoctor.runtime.mtp import MtpDrafter
+from specdoctor.runtime.trace_acceptance import position0_acceptance
+
+EOS = "<|endoftext|>"
+CHAIN_WEIGHTS = (0.5, 0.2, 0.1)  # MTP loss weight for chain steps 0 (t+2), 1 (t+3), 2 (t+4)
+
+
+def demo_config(vocab_size: int, eos_id: int) -> dict:
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": 192,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "eos_token_id": eos_id,
+        "bos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def encode_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
+    eos = tokenizer.token_to_id(EOS)
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(texts):
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class DemoModel(torch.nn.Module):
+    """Target and drafter trained together; the drafter shares the target's embedding and head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.target = TargetStage(config, range(config.num_hidden_layers), True, True)
+        self.drafter = MtpDrafter(config)
+        self.drafter.embed_tokens = self.target.model.embed_tokens
+        for layer in self.drafter.layers.values():
+            layer.shared_head.head = self.target.lm_head
+        for param in self.parameters():
+            if param.dim() >= 2:
+                torch.nn.init.normal_(param, std=0.02)
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # batch: [B, T]
+        length = batch.shape[1]
+        positions = torch.arange(length).expand(batch.shape[0], -1)
+        hidden = self.target(batch, positions)
+        logits = self.target.logits(hidden)
+        main = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        total, parts = main, [main.item()]
+        prev = hidden
+        for step, weight in enumerate(CHAIN_WEIGHTS):
+            # Step j at index i: token i+j+1 and the previous hidden state predict token i+j+2.
+            usable = length - step - 2
+            tokens = batch[:, step + 1 : step + 1 + usable]
+            prev, draft_logits = self.drafter(tokens, prev[:, :usable], positions[:, :usable] + step, step)
+            target = batch[:, step + 2 : step + 2 + usable]
+            mtp = F.cross_entropy(draft_logits.flatten(0, 1), target.flatten())
+            total = total + weight * mtp
+            parts.append(mtp.item())
+        return total, parts
+
+
+def balance_routers(loads: dict[Router, torch.Tensor], rate: float = 1e-3) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: nudge each expert's bias toward equal load."""
+    for router, load in loads.items():
+        router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+def track_loads(model: torch.nn.Module) -> dict[Router, torch.Tensor]:
+    loads = {}
+    for module in model.modules():
+        if isinstance(module, Router):
+            loads[module] = torch.zeros(module.config.n_routed_experts)
+
+            def hook(router, _inputs, output):
+                loads[router] += torch.bincount(output[1].flatten(), minlength=len(loads[router])).float()
+
+            module.register_forward_hook(hook)
+    return loads
+
+
+def save_checkpoint(model: DemoModel, config: dict, tokenizer: Tokenizer, out: Path, shard_bytes: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    tensors = dict(model.target.state_dict())
+    for name, value in model.drafter.state_dict().items():
+        if name.startswith("layers."):  # the embedding stays only at the top-level key
+            tensors[f"model.{name}"] = value
+    # bf16 like the real checkpoints, except the router's score-correction bias, which they keep in fp32.
+    tensors = {
+        k: v.detach()
+        .to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
+        .contiguous()
+        .clone()
+        for k, v in sorted(tensors.items())
+    }
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-mb", type=float, default=4.0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+
+    train_files, held_files = corpus_files()
+    train_texts, held_texts = read_texts(train_files), read_texts(held_files)
+    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    stream = encode_stream(tokenizer, train_texts)
+    held = encode_stream(tokenizer, held_texts)
+    print(
+        f"train files {len(train_files)} tokens {len(stream):,}; held-out files {len(held_files)} tokens {len(held):,}"
+    )
+
+    raw_config = demo_config(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
+    model = DemoModel(ModelConfig.from_dict(raw_config))
+    loads = track_loads(model)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    )
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.time()
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), TextColumn("{task.fields[loss]}")) as progress:
+        task = progress.add_task("training", total=args.steps, loss="")
+        for step in range(args.steps):
+            offsets = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch,), generator=generator)
+            batch = torch.stack([stream[o : o + args.seq_len] for o in offsets.tolist()])
+            loss, parts = model.loss(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            with torch.no_grad():
+                balance_routers(loads)
+            progress.update(task, advance=1, loss=f"loss {loss.item():.3f}")
+            if step % 200 == 0 or step == args.steps - 1:
+                shown = " ".join(f"{p:.3f}" for p in parts)
+                progress.console.print(
+                    f"step {step:5d} loss {loss.item():.3f} [main, mtp0, mtp1, mtp2: {shown}]", markup=False
+                )
+
+    model.eval()
+    generator.manual_seed(args.seed + 1)
+    offsets = torch.randint(0, len(held) - 64, (32,), generator=generator).tolist()
+    prompts = [held[o : o + 64].tolist() for o in offsets]
+    acceptance = position0_acceptance(model.target, model.drafter, prompts, 64)
+    print(f"held-out greedy MTP acceptance at position 0: {acceptance:.1%} (32 prompts x 64 tokens)")
+    save_checkpoint(model, raw_config, tokenizer, args.out, int(args.shard_mb * 1024 * 1024))
+    size = sum(p.stat().st_size for p in args.out.iterdir())
+    print(f"saved {args.out} ({size / 1e6:.1f} MB) after {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from specdoctor.cli import main
+
+main()

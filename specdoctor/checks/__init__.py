@@ -1,0 +1,1 @@
+"""Checks on checkpoints and loaded drafters; each module returns findings."""

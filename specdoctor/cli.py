@@ -1,0 +1,114 @@
+"""Command-line entry point: parse, call one function, render, exit.
+
+Exit codes: 0 healthy, 1 findings, 2 bad usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdoctor.errors import SpecdoctorError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    help="Find and repair silent failures in speculative-decoding deployments.",
+)
+ModelOption = Annotated[str, typer.Option("--model", help="Checkpoint directory, or 'demo' for the built-in model.")]
+PartitionOption = Annotated[
+    str | None, typer.Option(help="Layers per rank, e.g. 14,12,12,7 (default: $VLLM_PP_LAYER_PARTITION or even).")
+]
+PolicyOption = Annotated[
+    str, typer.Option(help="Drafter embedding loading: fixed, engine-legacy or alias-placeholder.")
+]
+HeadPolicyOption = Annotated[str, typer.Option(help="Drafter head loading: fixed, engine-legacy or unloaded.")]
+FillOption = Annotated[str, typer.Option(help="What unloaded drafter memory holds: empty, zeros, nan or stale.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL).")]
+DtypeOption = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
+TimeoutOption = Annotated[float, typer.Option(help="Seconds a rank waits on a peer before failing.")]
+
+
+@app.callback()
+def _root() -> None:
+    """Keep subcommands explicit (`specdoctor inspect ...`) even while there is only one."""
+
+
+@app.command()
+def inspect(
+    model: ModelOption,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")] = False,
+) -> None:
+    """Describe a checkpoint from its headers alone: sizes, keys, where the drafter's tensors live."""
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.summary import render_summary, summarize
+
+    summary = summarize(Checkpoint(model))
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        render_summary(summary, Console())
+
+
+@app.command()
+def generate(
+    model: ModelOption,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeat for a batch).")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help='JSON lines, each {"prompt": ...}.')] = None,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel ranks (one process each).")] = 1,
+    pp_partition: PartitionOption = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (0 = off, 1-8).")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = no top-k cut.")] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    drafter_policy: PolicyOption = "fixed",
+    head_policy: HeadPolicyOption = "fixed",
+    fill: FillOption = "empty",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    timeout: TimeoutOption = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")] = False,
+) -> None:
+    """Generate text with the pipeline runtime; print it with the acceptance metrics."""
+    from specdoctor.generate_command import GenerateOptions, render_generation, run_generate
+    from specdoctor.runtime.sampling import SamplingParams
+    from specdoctor.runtime.tokenizer import read_prompt_file
+
+    prompts = list(prompt or []) + (read_prompt_file(prompts_file) if prompts_file else [])
+    options = GenerateOptions(
+        model,
+        prompts,
+        pp,
+        pp_partition,
+        num_speculative_tokens,
+        max_tokens,
+        SamplingParams(temperature, top_k, top_p, seed),
+        drafter_policy,
+        head_policy,
+        fill,
+        device,
+        dtype,
+        timeout,
+    )
+    report = run_generate(options, show_progress=not as_json)
+    if report is None:  # a non-zero rank under torchrun: rank 0 prints
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        render_generation(report, Console())
+
+
+def main() -> None:
+    try:
+        app()
+    except SpecdoctorError as err:
+        Console(stderr=True).print(f"specdoctor: error: {err}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)

@@ -1,0 +1,1 @@
+"""Triton kernels for the hot paths, each with a plain-torch reference."""

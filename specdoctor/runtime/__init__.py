@@ -1,0 +1,1 @@
+"""The pipeline-parallel runtime: checkpoint reading, model, drafter loading, speculative decoding."""

@@ -1,0 +1,170 @@
+"""The controller: starts one process per pipeline rank and hands them requests.
+
+with Engine("demo", pp=4, num_speculative_tokens=3, drafter_policy="engine-legacy") as engine:
+    result = engine.generate([[1, 2, 3]], max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.comm import PipelineError
+from specdoctor.runtime.decode import GenerateRequest, GenerateResult, check_request
+from specdoctor.runtime.drafter_loading import DrafterPolicy
+from specdoctor.runtime.partition import placements
+from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.worker import EngineSpec, rank_main
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str,
+        pp: int = 1,
+        pp_partition: str | None = None,
+        num_speculative_tokens: int = 0,
+        drafter_policy: str = "fixed",
+        head_policy: str = "fixed",
+        fill: str = "empty",
+        device: str = "cpu",
+        dtype: str = "float32",
+        timeout_s: float = 60.0,
+        show_progress: bool = False,
+    ):
+        # Validate in this process first, so bad input fails before any rank starts.
+        self.checkpoint = Checkpoint(model)
+        self.config = self.checkpoint.config
+        self.placements = placements(self.config, pp, pp_partition)
+        self.num_speculative_tokens = num_speculative_tokens
+        policy = DrafterPolicy(embedding=drafter_policy, head=head_policy, fill=fill)
+        self.spec = EngineSpec(str(self.checkpoint.path), pp, pp_partition, policy, dtype, device, timeout_s)
+        self.eos_token_ids = self.config.eos_token_ids
+        context = mp.get_context("spawn")
+        self._inbox, self._outbox = context.Queue(), context.Queue()
+        port = free_port()
+        self._processes = [
+            context.Process(
+                target=rank_main,
+                args=(self.spec, rank, pp, port, self._inbox if rank == 0 else None, self._outbox),
+                name=f"specdoctor-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(pp)
+        ]
+        self._closed = False
+        self.rank_info: list[dict] = [{} for _ in range(pp)]
+        for process in self._processes:
+            process.start()
+        try:
+            self._wait_until_ready(show_progress)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    @property
+    def drafter_provenance(self) -> dict[str, str]:
+        return self.rank_info[-1].get("drafter_provenance", {})
+
+    def _wait_until_ready(self, show_progress: bool) -> None:
+        with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
+            task = progress.add_task(f"starting {len(self._processes)} pipeline rank(s)", total=len(self._processes))
+            for _ in self._processes:
+                _, rank, info = self._wait_for("ready")
+                self.rank_info[rank] = info
+                progress.advance(task)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams = SamplingParams(),
+        num_speculative_tokens: int | None = None,
+    ) -> GenerateResult:
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        request = GenerateRequest(prompts, max_new_tokens, sampling, k, self.eos_token_ids)
+        check_request(request, self.config)
+        self._inbox.put(("generate", request))
+        return self._wait_for("result")[2]
+
+    def prompt_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Target logits at every prompt position, [B, Lmax, V], computed through the whole pipeline."""
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        self._inbox.put(("score", prompts))
+        return self._wait_for("logits")[2]
+
+    def _wait_for(self, wanted: str) -> tuple:
+        while True:
+            try:
+                kind, rank, payload = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                self._raise_if_a_rank_died()
+                continue
+            if kind == "error":
+                time.sleep(0.5)  # let a peer's death become visible, so the root cause is named
+                self._raise_if_a_rank_died(reported=payload)
+                self._closed = True
+                raise PipelineError(payload)
+            if kind == wanted:
+                return kind, rank, payload
+
+    def _raise_if_a_rank_died(self, reported: str | None = None) -> None:
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self._processes) if p.exitcode is not None]
+        if not dead:
+            return
+        self._closed = True
+        # A rank killed by a signal is the root cause; the others exited after losing it.
+        rank, code = min(dead, key=lambda item: (item[1] >= 0, item[0]))
+        if code >= 0:
+            reported = reported or self._first_reported_error()
+            if reported:
+                raise PipelineError(reported)
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        raise PipelineError(f"pipeline rank {rank} (pid {self._processes[rank].pid}) {how}")
+
+    def _first_reported_error(self) -> str | None:
+        try:
+            while True:
+                kind, _rank, payload = self._outbox.get(timeout=0.5)
+                if kind == "error":
+                    return payload
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        if all(p.exitcode is None for p in self._processes) and not self._closed:
+            self._inbox.put(("shutdown", None))
+        self._closed = True
+        deadline = time.time() + 10
+        for process in self._processes:
+            process.join(timeout=max(0.1, deadline - time.time()))
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

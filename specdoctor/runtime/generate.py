@@ -1,0 +1,55 @@
+"""Single-process greedy decoding with a KV cache: the plain-decoding reference for one stage
+that owns the whole target (embedding, every layer, head)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.model import TargetStage
+
+
+def new_cache(stage: TargetStage, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
+    param = next(stage.parameters())
+    cfg = stage.config
+    layers = stage.layer_ids if layer_ids is None else layer_ids
+    return KVCache(layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
+
+
+def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, Lmax] padded with 0 (padding lands past each sequence's end, masked by position)
+    and the prompt lengths [B]."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    return ids, lengths
+
+
+@torch.no_grad()
+def greedy_generate(
+    stage: TargetStage, prompts: list[list[int]], max_new_tokens: int, eos_ids: tuple[int, ...] = ()
+) -> list[list[int]]:
+    """Greedy continuations of each prompt (without the prompt), stopping at EOS or max_new_tokens."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = next(stage.parameters()).device
+    ids, lengths = pad_right(prompts, device)
+    batch = len(prompts)
+    cache = new_cache(stage, batch, int(lengths.max()) + max_new_tokens)
+    positions = torch.arange(ids.shape[1], device=device).expand(batch, -1)
+    hidden = stage(ids, positions, cache)
+    rows = torch.arange(batch, device=device)
+    next_tokens = stage.logits(hidden[rows, lengths - 1]).argmax(-1)  # [B]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * batch
+    for step in range(max_new_tokens):
+        for row, token in enumerate(next_tokens.tolist()):
+            if not done[row]:
+                outputs[row].append(token)
+                done[row] = token in eos_ids
+        if all(done) or step == max_new_tokens - 1:
+            break
+        hidden = stage(next_tokens[:, None], (lengths + step)[:, None], cache)
+        next_tokens = stage.logits(hidden[:, -1]).argmax(-1)
+    return outputs

@@ -1,0 +1,57 @@
+"""The MTP drafter (DeepSeek-V3 / GLM-4.5 layout), run on the last pipeline rank.
+
+Checkpoint keys of MTP layer i live under `model.layers.{num_hidden_layers + i}.`; the drafter's
+token embedding is its own parameter, which engines must fill from the target checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.layers import DecoderLayer, RMSNorm, rotary_cos_sin
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MtpLayer(DecoderLayer):
+    """A full decoder block plus the MTP input projection and its own output head."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__(config, layer_id)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+
+class MtpDrafter(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): MtpLayer(config, i) for i in config.mtp_layer_ids})
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] the token after each position (the target's, or the previous proposal)
+        prev_hidden: torch.Tensor,  # [B, T, H] target's last-layer output (pre-norm), or this drafter's own
+        positions: torch.Tensor,  # [B, T]
+        step: int = 0,  # position in the draft chain; picks layer step % num_nextn_predict_layers
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [B, T, H] (fed to the next step), logits [B, T, V]
+        layer = self.layers[str(self.config.mtp_layer_ids[step % len(self.layers)])]
+        embeds = self.embed_tokens(tokens)
+        if not embeds.is_floating_point():  # an aliased PPMissingLayer hands back the token ids themselves
+            embeds = embeds[..., None].to(prev_hidden.dtype).expand_as(prev_hidden)
+        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
+        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1))
+        hidden = layer(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
+        return hidden, layer.shared_head.head(layer.shared_head.norm(hidden))

@@ -1,0 +1,82 @@
+"""Pipeline layer partition and placement, with vLLM's semantics (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.config import ModelConfig
+
+PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def default_partition(num_layers: int, pp: int) -> list[int]:
+    """Even split; the remainder goes one layer each to ranks -2, -3, ... (never the last rank)."""
+    parts = [num_layers // pp] * pp
+    for i in range(num_layers % pp):
+        parts[-(i + 2)] += 1
+    return parts
+
+
+def parse_partition(spec: str, num_layers: int, pp: int) -> list[int]:
+    """An explicit partition such as '14,12,12,7': one entry per rank, summing to num_layers."""
+    try:
+        parts = [int(item) for item in spec.split(",")]
+    except ValueError:
+        raise SpecdoctorError(f"layer partition {spec!r} is not a comma-separated list of integers") from None
+    if len(parts) != pp:
+        raise SpecdoctorError(f"layer partition {spec!r} has {len(parts)} entries but the pipeline has {pp} ranks")
+    if sum(parts) != num_layers:
+        raise SpecdoctorError(f"layer partition {spec!r} sums to {sum(parts)}, the model has {num_layers} layers")
+    if min(parts) < 1:
+        raise SpecdoctorError(f"layer partition {spec!r} gives a rank no layers")
+    return parts
+
+
+def layer_ranges(num_layers: int, pp: int, spec: str | None = None) -> list[range]:
+    """Each rank's target layers; `spec` wins over the VLLM_PP_LAYER_PARTITION variable."""
+    if pp < 1:
+        raise SpecdoctorError(f"--pp must be at least 1, got {pp}")
+    if pp > num_layers:
+        raise SpecdoctorError(f"--pp {pp} exceeds the model's {num_layers} layers")
+    spec = spec or os.environ.get(PARTITION_ENV) or None
+    parts = parse_partition(spec, num_layers, pp) if spec else default_partition(num_layers, pp)
+    starts = [sum(parts[:i]) for i in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, parts, strict=True)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one pipeline rank owns."""
+
+    rank: int
+    world_size: int
+    layers: range
+    has_embedding: bool  # rank 0, and the last rank too when embeddings are tied
+    has_head: bool  # final norm + lm_head: the last rank
+    has_drafter: bool  # the MTP layers and the drafter: the last rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+def placements(config: ModelConfig, pp: int, spec: str | None = None) -> list[Placement]:
+    ranges = layer_ranges(config.num_hidden_layers, pp, spec)
+    last = pp - 1
+    return [
+        Placement(
+            rank=rank,
+            world_size=pp,
+            layers=layers,
+            has_embedding=rank == 0 or (rank == last and config.tie_word_embeddings),
+            has_head=rank == last,
+            has_drafter=rank == last and config.num_nextn_predict_layers > 0,
+        )
+        for rank, layers in enumerate(ranges)
+    ]

@@ -1,0 +1,135 @@
+"""One pipeline rank: load the tensors it owns, then run the commands the first rank broadcasts."""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.comm import PipelineComm
+from specdoctor.runtime.decode import GenerateRequest, RankModel, generate, prompt_logits
+from specdoctor.runtime.drafter_loading import DrafterPolicy, build_drafter
+from specdoctor.runtime.loader import load_target_stage
+from specdoctor.runtime.partition import placements
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rank needs to build itself; sent to each rank process."""
+
+    model: str
+    pp: int = 1
+    pp_partition: str | None = None
+    policy: DrafterPolicy = field(default_factory=DrafterPolicy)
+    dtype: str = "float32"
+    device: str = "cpu"
+    timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise SpecdoctorError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        if self.device not in ("cpu", "cuda"):
+            raise SpecdoctorError(f"unknown device {self.device!r} (choose cpu or cuda)")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SpecdoctorError("--device cuda was requested but no CUDA device is available")
+
+
+def rank_device(spec: EngineSpec, rank: int) -> torch.device:
+    if spec.device == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def load_rank(spec: EngineSpec, rank: int, world_size: int) -> tuple[RankModel, dict]:
+    """Build this rank's stage (and the drafter on the last rank), reading only the tensors it owns."""
+    device = rank_device(spec, rank)
+    dtype = DTYPES[spec.dtype]
+    checkpoint = Checkpoint(spec.model)
+    placement = placements(checkpoint.config, world_size, spec.pp_partition)[rank]
+    stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
+    drafter, provenance = None, {}
+    if placement.has_drafter:
+        drafter, sources = build_drafter(checkpoint, stage, world_size, spec.policy, dtype, device)
+        provenance = sources.sources
+    comm = PipelineComm(rank, world_size, device, spec.timeout_s)
+    info = {
+        "rank": rank,
+        "layers": [placement.layers.start, placement.layers.stop],
+        "has_embedding": placement.has_embedding,
+        "has_head": placement.has_head,
+        "has_drafter": placement.has_drafter,
+        "keys_read": sorted(set(checkpoint.keys_read)),
+        "bytes_read": checkpoint.bytes_read,
+        "drafter_provenance": provenance,
+    }
+    return RankModel(placement, stage, drafter, comm), info
+
+
+def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Callable[[str, object], None]) -> None:
+    """Run broadcast commands until 'shutdown'. Only the first rank has `next_command`."""
+    while True:
+        kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
+        if kind == "shutdown":
+            return
+        if kind == "generate":
+            result = generate(model, payload)
+            if model.placement.is_first:
+                reply("result", result)
+        elif kind == "score":
+            logits = prompt_logits(model, payload)
+            if model.placement.is_last:
+                reply("logits", logits)
+
+
+def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    """Entry point of a rank process started by `Engine`."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    model = None
+
+    def next_command() -> tuple:
+        # Idle ranks wait inside a collective; a heartbeat keeps them under its timeout and
+        # notices a dead peer even when no request is in flight.
+        try:
+            return inbox.get(timeout=spec.timeout_s / 4)
+        except queue.Empty:
+            return ("noop", None)
+
+    try:
+        model, info = load_rank(spec, rank, world_size)
+        outbox.put(("ready", rank, info))
+        serve(model, next_command if rank == 0 else None, lambda kind, payload: outbox.put((kind, rank, payload)))
+    except SpecdoctorError as err:
+        outbox.put(("error", rank, str(err)))
+        raise SystemExit(1) from None
+    except Exception as err:  # an unexpected failure: keep the traceback for whoever reads the logs
+        outbox.put(("error", rank, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    finally:
+        if model is not None:
+            model.comm.close()
+
+
+def run_under_torchrun(spec: EngineSpec, request: GenerateRequest):
+    """Join a group launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 returns the result."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != spec.pp:
+        raise SpecdoctorError(f"torchrun started {world_size} processes but --pp is {spec.pp}")
+    model, _ = load_rank(spec, rank, world_size)
+    commands = iter([("generate", request), ("shutdown", None)])
+    results = []
+    try:
+        serve(model, (lambda: next(commands)) if rank == 0 else None, lambda _kind, result: results.append(result))
+    finally:
+        model.comm.close()
+    return results[0] if results else None

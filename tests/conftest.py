@@ -1,0 +1,86 @@
+"""Real checkpoints for the tests, made with transformers' own classes in temporary directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.mtp import MtpLayer
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.5,
+    use_qk_norm=True,
+    attention_bias=True,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=512,
+    eos_token_id=None,
+)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that routing and attention are far from uniform (a sharper test)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("inv_freq"):
+                continue
+            if "norm" in name:
+                tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.copy_(0.15 * torch.randn(tensor.shape, generator=generator))
+
+
+def add_mtp_layers(path: Path, seed: int) -> None:
+    """Append MTP layer tensors (keys under model.layers.{N + i}.) as one more indexed shard."""
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    torch.manual_seed(seed)
+    tensors = {}
+    for layer_id in config.mtp_layer_ids:
+        layer = MtpLayer(config, layer_id)
+        randomize(layer, seed + layer_id)
+        tensors.update({f"model.layers.{layer_id}.{k}": v.contiguous() for k, v in layer.state_dict().items()})
+    shard = "model-mtp.safetensors"
+    save_file(tensors, str(path / shard), metadata={"format": "pt"})
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({key: shard for key in tensors})
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def make_hf_checkpoint(path: Path, seed: int = 0, shard_size: str = "60KB", **overrides):
+    """Save a random transformers Glm4MoeForCausalLM (several shards + index) plus MTP tensors."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**TINY, **overrides})).eval()
+    randomize(model, seed)
+    model.save_pretrained(path, max_shard_size=shard_size)
+    if model.config.num_nextn_predict_layers:
+        add_mtp_layers(path, seed + 1000)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """(directory, transformers model) of the default tiny checkpoint."""
+    path = tmp_path_factory.mktemp("hf_tiny")
+    return path, make_hf_checkpoint(path)

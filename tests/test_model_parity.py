@@ -1,0 +1,78 @@
+"""Oracle: specdoctor's model against transformers' Glm4MoeForCausalLM on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.generate import greedy_generate
+from specdoctor.runtime.loader import load_target_stage
+from tests.conftest import make_hf_checkpoint
+
+
+def full_stage(path):
+    checkpoint = Checkpoint(path)
+    return load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True)
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
+    checkpoint = Checkpoint(hf_checkpoint[0])
+    assert checkpoint.layout == "index"
+    assert len({t.shard for t in checkpoint.tensors.values()}) >= 3
+
+
+def test_logits_match_transformers_at_every_position(hf_checkpoint):
+    path, reference = hf_checkpoint
+    stage = full_stage(path)
+    ids = torch.randint(0, reference.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        ours = stage.logits(stage(ids, positions))
+    assert ours.shape == expected.shape
+    assert relative_error(ours, expected) < 1e-4
+    assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4
+
+
+def test_greedy_tokens_with_kv_cache_match_transformers_generate(hf_checkpoint):
+    path, reference = hf_checkpoint
+    stage = full_stage(path)
+    generator = torch.Generator().manual_seed(2)
+    for length in (5, 11):
+        prompt = torch.randint(0, reference.config.vocab_size, (1, length), generator=generator)
+        with torch.no_grad():
+            expected = reference.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ours = greedy_generate(stage, [prompt[0].tolist()], 32)[0]
+        assert ours == expected[0, length:].tolist()
+
+
+def test_batched_prompts_of_different_lengths_equal_one_at_a_time(hf_checkpoint):
+    stage = full_stage(hf_checkpoint[0])
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=generator).tolist() for n in (3, 9, 6)]
+    batched = greedy_generate(stage, prompts, 16)
+    assert batched == [greedy_generate(stage, [p], 16)[0] for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(tie_word_embeddings=True, use_qk_norm=False, attention_bias=False),
+        dict(first_k_dense_replace=4, n_routed_experts=0),  # all dense
+        dict(norm_topk_prob=False, n_group=1, topk_group=1, partial_rotary_factor=1.0),
+    ],
+    ids=["tied-no-qknorm-no-bias", "dense", "unnormalised-router-full-rotary"],
+)
+def test_config_variants_match_transformers(tmp_path, overrides):
+    reference = make_hf_checkpoint(tmp_path, seed=5, num_nextn_predict_layers=0, **overrides)
+    stage = full_stage(tmp_path)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        ours = stage.logits(stage(ids, torch.arange(17).expand(2, -1)))
+    assert relative_error(ours, expected) < 1e-4

@@ -1,0 +1,88 @@
+"""Speculative verification: greedy goldens, and rejection sampling keeps the target distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdoctor.runtime.sampling import SamplingParams, probabilities
+from specdoctor.runtime.verify import PLACEHOLDER, verify_greedy, verify_random
+
+P = PLACEHOLDER
+
+
+def logits_for(argmaxes: list[list[int]], vocab: int = 8) -> torch.Tensor:
+    """Target logits [B, k+1, V] whose argmax at each position is given."""
+    out = torch.zeros(len(argmaxes), len(argmaxes[0]), vocab)
+    for b, row in enumerate(argmaxes):
+        for j, token in enumerate(row):
+            out[b, j, token] = 5.0
+    return out
+
+
+def test_greedy_accepts_the_matching_prefix_then_recovers_or_adds_the_bonus():
+    drafts = torch.tensor([[3, 4, 5], [3, 4, 5], [3, 4, 5], [1, 4, 5]])
+    target = logits_for([[3, 4, 5, 6], [3, 7, 5, 6], [2, 4, 5, 6], [3, 4, 5, 6]])
+    accepted, emitted = verify_greedy(drafts, target)
+    assert accepted.tolist() == [3, 1, 0, 0]
+    assert emitted.tolist() == [[3, 4, 5, 6], [3, 7, P, P], [2, P, P, P], [3, P, P, P]]
+
+
+def test_greedy_with_no_drafts_emits_the_target_argmax():
+    accepted, emitted = verify_greedy(torch.zeros(2, 0, dtype=torch.long), logits_for([[4], [1]]))
+    assert accepted.tolist() == [0, 0] and emitted.tolist() == [[4], [1]]
+
+
+def first_token_frequencies(p: torch.Tensor, q: torch.Tensor, k: int, n: int, seed: int) -> torch.Tensor:
+    """Empirical distribution of the first emitted token over n independent verifications."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = p.shape[-1]
+    drafts = torch.multinomial(q[0].expand(n, -1), 1, replacement=True, generator=generator)
+    for j in range(1, k):
+        drafts = torch.cat([drafts, torch.multinomial(q[j].expand(n, -1), 1, generator=generator)], dim=1)
+    uniform = torch.rand(n, k, generator=generator)
+    _, emitted = verify_random(drafts, q.expand(n, -1, -1), p.expand(n, -1, -1), uniform, generator)
+    return torch.bincount(emitted[:, 0], minlength=vocab).float() / n
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampling_keeps_the_target_distribution(k):
+    generator = torch.Generator().manual_seed(0)
+    vocab = 6
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=generator) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, vocab, generator=generator) * 1.5, -1)
+    for n in (20_000, 200_000):
+        freq = first_token_frequencies(p, q, k, n, seed=n)
+        # Within 5 standard errors of p, a bound that shrinks as 1/sqrt(n).
+        bound = 5 * (p[0] * (1 - p[0]) / n).sqrt() + 1e-9
+        assert ((freq - p[0]).abs() <= bound).all(), (freq, p[0], bound)
+
+
+def test_rejection_sampling_would_notice_a_biased_verifier():
+    """The statistical bound is tight enough to fail: q's distribution alone is far outside it."""
+    generator = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(2, 6, generator=generator) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, 6, generator=generator) * 1.5, -1)
+    n = 200_000
+    bound = 5 * (p[0] * (1 - p[0]) / n).sqrt()
+    assert ((q[0] - p[0]).abs() > bound).any()
+
+
+def test_identical_draft_and_target_accept_everything():
+    p = torch.softmax(torch.randn(4, 3, 10), -1)
+    drafts = torch.multinomial(p[:, :2].reshape(-1, 10), 1).view(4, 2)
+    accepted, emitted = verify_random(drafts, p[:, :2], p, torch.rand(4, 2), None)
+    assert accepted.tolist() == [2, 2, 2, 2]
+    assert (emitted[:, :2] == drafts).all() and (emitted[:, 2] >= 0).all()
+
+
+def test_probability_processing_top_k_top_p_and_temperature():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    top_k = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top_k[0, 2:] == 0).all() and torch.isclose(top_k.sum(), torch.tensor(1.0))
+    full = probabilities(logits, SamplingParams(temperature=1.0))
+    top_p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    kept = int((top_p > 0).sum())
+    assert full[0, : kept - 1].sum() < 0.8 <= full[0, :kept].sum()
+    cold = probabilities(logits, SamplingParams(temperature=0.1))
+    assert cold[0, 0] > 0.99
