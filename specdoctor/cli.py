@@ -106,6 +106,96 @@ def generate(
         render_generation(report, Console())
 
 
+def _check(
+    model: ModelOption,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel ranks to check (one process each).")] = 1,
+    pp_partition: PartitionOption = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step in the battery (1-8).")] = 3,
+    drafter_policy: Annotated[
+        str,
+        typer.Option(
+            help="How the drafter embedding is loaded: engine-legacy (an unpatched engine), fixed, alias-placeholder."
+        ),
+    ] = "engine-legacy",
+    head_policy: HeadPolicyOption = "engine-legacy",
+    fill: FillOption = "empty",
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")
+    ] = False,
+    battery: Annotated[
+        Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: built-in 9).')
+    ] = None,
+    min_acceptance_length: Annotated[float, typer.Option(help="Fail below this mean acceptance length.")] = 1.4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per battery prompt.")] = 32,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size whose vocab shard the repair checks.")] = 1,
+    tp_rank: Annotated[int, typer.Option(help="Tensor-parallel rank whose vocab shard the repair checks.")] = 0,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    timeout: TimeoutOption = 60.0,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")
+    ] = None,
+    junit_xml: Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")] = None,
+) -> None:
+    from specdoctor.check_command import CheckOptions, run_check
+    from specdoctor.report import render_human, to_json, to_junit
+
+    options = CheckOptions(
+        model,
+        pp,
+        pp_partition,
+        num_speculative_tokens,
+        drafter_policy,
+        head_policy,
+        fill,
+        repair,
+        battery,
+        min_acceptance_length,
+        max_tokens,
+        tp,
+        tp_rank,
+        device,
+        dtype,
+        timeout,
+    )
+    report = run_check(options, show_progress=json_out != "-")
+    if json_out == "-":
+        sys.stdout.write(to_json(report))
+    else:
+        render_human(report, Console())
+        if json_out:
+            _write(Path(json_out), to_json(report))
+    if junit_xml:
+        _write(junit_xml, to_junit(report))
+    raise typer.Exit(report.exit_code)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise SpecdoctorError(f"{path}: cannot write report ({err.strerror})") from None
+
+
+app.command(
+    "check",
+    help="Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it.",
+)(_check)
+
+
+@app.command("repair")
+def repair_command(
+    model: ModelOption,
+    pp: Annotated[int, typer.Option("--pp")] = 1,
+    pp_partition: PartitionOption = None,
+    num_speculative_tokens: Annotated[int, typer.Option()] = 3,
+    json_out: Annotated[str | None, typer.Option("--json")] = None,
+    junit_xml: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Same as `specdoctor check --repair` with the default engine-legacy loading."""
+    _check(model, pp, pp_partition, num_speculative_tokens, repair=True, json_out=json_out, junit_xml=junit_xml)
+
+
 def main() -> None:
     try:
         app()

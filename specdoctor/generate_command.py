@@ -43,17 +43,6 @@ def run_generate(options: GenerateOptions, show_progress: bool) -> dict | None:
     """Generate for every prompt; returns the report (None on the non-zero ranks under torchrun)."""
     if not options.prompts:
         raise SpecdoctorError("give at least one --prompt or --prompts-file")
-    engine_args = dict(
-        pp=options.pp,
-        pp_partition=options.pp_partition,
-        num_speculative_tokens=options.num_speculative_tokens,
-        drafter_policy=options.drafter_policy,
-        head_policy=options.head_policy,
-        fill=options.fill,
-        device=options.device,
-        dtype=options.dtype,
-        timeout_s=options.timeout_s,
-    )
     if launched_by_torchrun():
         from specdoctor.runtime.checkpoint import Checkpoint
 
@@ -78,9 +67,10 @@ def run_generate(options: GenerateOptions, show_progress: bool) -> dict | None:
         )
         result = run_under_torchrun(spec, request)
         return None if result is None else build_report(options, codec, result)
-    with Engine(options.model, show_progress=show_progress, **engine_args) as engine:
+    with Engine.from_options(
+        options, num_speculative_tokens=options.num_speculative_tokens, show_progress=show_progress
+    ) as engine:
         codec = TextCodec(engine.checkpoint.path, engine.config.eos_token_ids)
-        engine.eos_token_ids = codec.eos_token_ids
         result = engine.generate([codec.encode(p) for p in options.prompts], options.max_tokens, options.sampling)
     return build_report(options, codec, result)
 

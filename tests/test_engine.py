@@ -90,9 +90,9 @@ def test_tied_embeddings_live_on_the_last_rank_too(tmp_path):
         assert engine.generate(PROMPTS, 12).tokens == expected_tokens
 
 
-def make_agreeing_checkpoint(path):
+def make_agreeing_checkpoint(path, seed=22, **overrides):
     """Target and drafter whose logits are all zero: both always pick token 0, so every draft is accepted."""
-    make_hf_checkpoint(path, seed=22)
+    make_hf_checkpoint(path, seed=seed, **overrides)
     for shard in path.glob("*.safetensors"):
         tensors = load_file(str(shard))
         zeroed = {

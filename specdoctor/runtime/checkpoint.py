@@ -7,10 +7,11 @@ only the safetensors headers; `read` goes through `safe_open` so only one tensor
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -42,8 +43,7 @@ DTYPE_BYTES = {
 }
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):  # a tuple: ~100,000 of them are built per open
     key: str
     shard: str  # file name relative to the checkpoint directory
     dtype: str  # safetensors dtype code, e.g. "BF16"
@@ -67,7 +67,7 @@ def read_json(path: Path, what: str):
         raise CheckpointError(f"{path}: cannot read {what} ({err.strerror})") from None
 
 
-def read_shard_header(path: Path) -> dict[str, dict]:
+def read_shard_header(path: Path) -> dict[str, TensorInfo]:
     """Parse one shard's header (8-byte little-endian length, then JSON) and check it fits the file."""
     try:
         size = path.stat().st_size
@@ -87,10 +87,11 @@ def read_shard_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_size = size - 8 - header_len
+    tensors = {}
     for key, entry in header.items():
         try:
             begin, end = entry["data_offsets"]
-            dtype, shape = entry["dtype"], entry["shape"]
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
             expected = DTYPE_BYTES.get(dtype, 0) * _numel(shape)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}") from None
@@ -100,7 +101,8 @@ def read_shard_header(path: Path) -> dict[str, dict]:
             )
         if not 0 <= begin <= end or (dtype in DTYPE_BYTES and end - begin != expected):
             raise CheckpointError(f"{path}: corrupt safetensors header: bad offsets for tensor {key!r}")
-    return header
+        tensors[key] = TensorInfo(key, path.name, dtype, shape, end - begin)
+    return tensors
 
 
 def _numel(shape) -> int:
@@ -150,29 +152,27 @@ class Checkpoint:
 
     def _scan_headers(self, shard_of: dict[str, str] | None) -> dict[str, TensorInfo]:
         if shard_of is None:
-            shards = (
-                [SINGLE_FILE] if self.layout == "single" else sorted(p.name for p in self.path.glob("*.safetensors"))
-            )
+            single = self.layout == "single"
+            shards = [SINGLE_FILE] if single else sorted(p.name for p in self.path.glob("*.safetensors"))
         else:
             shards = sorted(set(shard_of.values()))
         tensors: dict[str, TensorInfo] = {}
-        for name in shards:
-            header = read_shard_header(self._shard_path(name))
-            for key, entry in header.items():
-                if shard_of is not None and shard_of.get(key) != name:
-                    continue  # the index is authoritative about where a key lives
-                if key in tensors:
-                    raise CheckpointError(
-                        f"{self.path}: tensor {key!r} appears in both {tensors[key].shard} and {name}"
-                    )
-                begin, end = entry["data_offsets"]
-                tensors[key] = TensorInfo(key, name, entry["dtype"], tuple(entry["shape"]), end - begin)
-        if shard_of is not None:
-            for key, name in shard_of.items():
-                if key not in tensors:
-                    raise CheckpointError(
-                        f"{self.path / INDEX_FILE}: tensor {key!r} is listed in {name} but not stored there"
-                    )
+        gc.disable()  # ~100,000 small objects: the cyclic collector would rescan them over and over
+        try:
+            for name in shards:
+                for key, info in read_shard_header(self._shard_path(name)).items():
+                    if shard_of is not None and shard_of.get(key) != name:
+                        continue  # the index is authoritative about where a key lives
+                    if key in tensors:
+                        raise CheckpointError(
+                            f"{self.path}: tensor {key!r} appears in both {tensors[key].shard} and {name}"
+                        )
+                    tensors[key] = info
+        finally:
+            gc.enable()
+        if shard_of is not None and len(tensors) != len(shard_of):
+            key, name = next((k, n) for k, n in shard_of.items() if k not in tensors)
+            raise CheckpointError(f"{self.path / INDEX_FILE}: tensor {key!r} is listed in {name} but not stored there")
         return tensors
 
     def first_present(self, candidates: list[str]) -> str | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.generate import new_cache, pad_right
@@ -48,6 +49,8 @@ class RankModel:
     stage: TargetStage
     drafter: MtpDrafter | None
     comm: PipelineComm
+    checkpoint: Checkpoint | None = None
+    provenance: dict[str, str] = field(default_factory=dict)  # drafter tensor -> where it came from
 
 
 class Drafts:

@@ -23,11 +23,11 @@ from torch import nn
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.loader import (
-    EMBEDDING_KEY,
     allocate,
     drafter_layer_key,
     embedding_candidates,
     load_module,
+    target_embedding_key,
 )
 from specdoctor.runtime.model import TargetStage
 from specdoctor.runtime.mtp import MtpDrafter
@@ -161,7 +161,7 @@ def _place_heads(drafter, checkpoint, target, policy, provenance) -> None:
             layer.shared_head.head = target.lm_head
             provenance.sources[name] = "alias:lm_head"
         elif policy.head == "fixed":
-            fallback = "lm_head.weight" if "lm_head.weight" in checkpoint.tensors else EMBEDDING_KEY
+            fallback = "lm_head.weight" if "lm_head.weight" in checkpoint.tensors else target_embedding_key(checkpoint)
             load_module(head, checkpoint, lambda _n, key=fallback: key)
             provenance.sources[name] = f"checkpoint:{fallback}"
         else:

@@ -21,6 +21,7 @@ from specdoctor.runtime.decode import GenerateRequest, GenerateResult, check_req
 from specdoctor.runtime.drafter_loading import DrafterPolicy
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.tokenizer import model_eos_token_ids
 from specdoctor.runtime.worker import EngineSpec, rank_main
 
 
@@ -52,7 +53,7 @@ class Engine:
         self.num_speculative_tokens = num_speculative_tokens
         policy = DrafterPolicy(embedding=drafter_policy, head=head_policy, fill=fill)
         self.spec = EngineSpec(str(self.checkpoint.path), pp, pp_partition, policy, dtype, device, timeout_s)
-        self.eos_token_ids = self.config.eos_token_ids
+        self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids)
         context = mp.get_context("spawn")
         self._inbox, self._outbox = context.Queue(), context.Queue()
         port = free_port()
@@ -74,6 +75,13 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    OPTION_FIELDS = ("pp", "pp_partition", "drafter_policy", "head_policy", "fill", "device", "dtype", "timeout_s")
+
+    @classmethod
+    def from_options(cls, options, **extra) -> "Engine":
+        """An engine configured by any command's options object (same field names as this constructor)."""
+        return cls(options.model, **{name: getattr(options, name) for name in cls.OPTION_FIELDS}, **extra)
 
     @property
     def rank_pids(self) -> list[int]:
@@ -112,6 +120,13 @@ class Engine:
             raise PipelineError("the engine is closed")
         self._inbox.put(("score", prompts))
         return self._wait_for("logits")[2]
+
+    def drafter_command(self, kind: str, **payload) -> dict:
+        """Ask the drafter's rank to inspect ('inspect_drafter') or repair ('repair_drafter') the live drafter."""
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        self._inbox.put((kind, payload))
+        return self._wait_for(kind)[2]
 
     def _wait_for(self, wanted: str) -> tuple:
         while True:

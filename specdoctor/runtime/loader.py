@@ -68,9 +68,22 @@ def allocate(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch
     return module.to_empty(device=device).to(dtype)
 
 
-def target_key(stage: TargetStage) -> Callable[[str], str]:
-    tied = stage.config.tie_word_embeddings
-    return lambda name: EMBEDDING_KEY if tied and name == "lm_head.weight" else name
+def target_embedding_key(checkpoint: Checkpoint) -> str:
+    """The target's embedding key: the first candidate present (MTP layers' own copies excluded)."""
+    candidates = embedding_candidates(checkpoint.config)[: -checkpoint.config.num_nextn_predict_layers or None]
+    return checkpoint.first_present(candidates) or EMBEDDING_KEY
+
+
+def target_key(checkpoint: Checkpoint) -> Callable[[str], str]:
+    embedding = target_embedding_key(checkpoint)
+    tied = checkpoint.config.tie_word_embeddings
+
+    def key_for(name: str) -> str:
+        if name == EMBEDDING_KEY or (tied and name == "lm_head.weight"):
+            return embedding
+        return name
+
+    return key_for
 
 
 def load_target_stage(
@@ -84,7 +97,7 @@ def load_target_stage(
     """A target stage with every owned tensor read from the checkpoint; a missing one is an error."""
     config = checkpoint.config
     stage = allocate(lambda: TargetStage(config, layers, has_embedding, has_head), dtype, device)
-    result = load_module(stage, checkpoint, target_key(stage))
+    result = load_module(stage, checkpoint, target_key(checkpoint))
     if result.missing:
         name, key = next(iter(result.missing.items()))
         more = f" (and {len(result.missing) - 1} more)" if len(result.missing) > 1 else ""

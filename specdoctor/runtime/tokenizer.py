@@ -12,6 +12,18 @@ from specdoctor.errors import CheckpointError
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 
+def eos_token_ids(tokenizer: Tokenizer | None, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The config's EOS ids plus the tokenizer's end-of-text tokens."""
+    found = {i for name in EOS_NAMES if tokenizer and (i := tokenizer.token_to_id(name)) is not None}
+    return tuple(sorted(set(config_eos) | found))
+
+
+def model_eos_token_ids(model_path: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids for a checkpoint directory, whether or not it ships a tokenizer."""
+    path = model_path / "tokenizer.json"
+    return eos_token_ids(Tokenizer.from_file(str(path)) if path.is_file() else None, config_eos)
+
+
 class TextCodec:
     def __init__(self, model_path: Path, config_eos: tuple[int, ...] = ()):
         path = model_path / "tokenizer.json"
@@ -21,8 +33,7 @@ class TextCodec:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
             raise CheckpointError(f"{path}: cannot load tokenizer ({err})") from None
-        eos = set(config_eos) | {i for name in EOS_NAMES if (i := self.tokenizer.token_to_id(name)) is not None}
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config_eos)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

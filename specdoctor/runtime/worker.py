@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdoctor.checks.drafter_state import inspect_drafter, repair_drafter
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm
@@ -18,6 +19,8 @@ from specdoctor.runtime.drafter_loading import DrafterPolicy, build_drafter
 from specdoctor.runtime.loader import load_target_stage
 from specdoctor.runtime.partition import placements
 
+# Commands only the drafter's rank answers, with what the checks need from the live drafter.
+DRAFTER_COMMANDS = {"inspect_drafter": inspect_drafter, "repair_drafter": repair_drafter}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,7 +74,7 @@ def load_rank(spec: EngineSpec, rank: int, world_size: int) -> tuple[RankModel, 
         "bytes_read": checkpoint.bytes_read,
         "drafter_provenance": provenance,
     }
-    return RankModel(placement, stage, drafter, comm), info
+    return RankModel(placement, stage, drafter, comm, checkpoint, provenance), info
 
 
 def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Callable[[str, object], None]) -> None:
@@ -88,6 +91,8 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
             logits = prompt_logits(model, payload)
             if model.placement.is_last:
                 reply("logits", logits)
+        elif kind in DRAFTER_COMMANDS and model.placement.is_last:
+            reply(kind, DRAFTER_COMMANDS[kind](model, **payload))
 
 
 def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, outbox) -> None:

@@ -1,0 +1,156 @@
+"""Pre-flight checks from the safetensors headers alone: no tensor data is read."""
+
+from __future__ import annotations
+
+from specdoctor.report import Finding
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.loader import embedding_candidates, target_embedding_key
+from specdoctor.runtime.partition import Placement
+from specdoctor.summary import expected_mtp_keys
+
+FLOAT_DTYPES = {"F32", "BF16", "F16"}
+
+
+def preflight(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+    findings = config_sanity(checkpoint) + mtp_tensors(checkpoint) + embedding_source(checkpoint, ranks)
+    return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
+
+
+def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
+    cfg, tensors = checkpoint.config, checkpoint.tensors
+    findings = []
+    embedding = tensors.get(target_embedding_key(checkpoint))
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    if embedding is None:
+        findings.append(
+            Finding(
+                "config.embedding",
+                "error",
+                "no target embedding tensor under any candidate key",
+                "check the checkpoint's key prefix against the candidate list",
+            )
+        )
+    elif embedding.shape != expected:
+        findings.append(
+            Finding(
+                "config.embedding",
+                "error",
+                f"{embedding.key} has shape {embedding.shape}, config says {expected}",
+                "vocab_size or hidden_size in config.json does not match the weights",
+            )
+        )
+    head = tensors.get("lm_head.weight")
+    if head is None and not cfg.tie_word_embeddings:
+        findings.append(
+            Finding(
+                "config.lm_head",
+                "error",
+                "lm_head.weight is absent but tie_word_embeddings is false",
+                "set tie_word_embeddings or ship lm_head.weight",
+            )
+        )
+    elif head is not None and head.shape != expected:
+        findings.append(
+            Finding("config.lm_head", "error", f"lm_head.weight has shape {head.shape}, expected {expected}")
+        )
+    if cfg.num_nextn_predict_layers == 0:
+        findings.append(
+            Finding(
+                "config.mtp",
+                "error",
+                "num_nextn_predict_layers is 0: the checkpoint has no MTP drafter",
+                "use a checkpoint with MTP layers, or run without speculative decoding",
+            )
+        )
+    if not findings:
+        findings.append(
+            Finding(
+                "config",
+                "info",
+                f"vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, "
+                f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, tied: "
+                f"{cfg.tie_word_embeddings}",
+            )
+        )
+    return findings
+
+
+def mtp_tensors(checkpoint: Checkpoint) -> list[Finding]:
+    findings = []
+    for layer_id in checkpoint.config.mtp_layer_ids:
+        expected = expected_mtp_keys(checkpoint, layer_id)
+        missing = [k for k in expected if k not in checkpoint.tensors]
+        head = f"model.layers.{layer_id}.shared_head.head.weight"
+        if head in missing:
+            missing.remove(head)
+            findings.append(
+                Finding(
+                    "mtp.shared_head",
+                    "warning",
+                    f"{head} is not in the checkpoint",
+                    "loaders that keep only spec-layer keys leave the draft head unloaded; it must come from lm_head",
+                )
+            )
+        if missing:
+            findings.append(
+                Finding(
+                    "mtp.tensors",
+                    "error",
+                    f"MTP layer {layer_id} lacks {len(missing)} tensor(s), first {missing[0]}",
+                    "a quantisation ignore list or export may have dropped them",
+                    data={"missing": missing},
+                )
+            )
+        else:
+            findings.append(
+                Finding("mtp.tensors", "info", f"MTP layer {layer_id}: all {len(expected)} tensors present")
+            )
+    return findings
+
+
+def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+    cfg = checkpoint.config
+    candidates = embedding_candidates(cfg)
+    key = checkpoint.first_present(candidates)
+    if key is None:
+        return [
+            Finding(
+                "embedding.source",
+                "error",
+                "no candidate key can supply the drafter's embedding",
+                "extend the candidate list for this layout",
+                data={"candidates": candidates},
+            )
+        ]
+    info = checkpoint.tensors[key]
+    findings = [
+        Finding(
+            "embedding.source",
+            "info",
+            f"drafter embedding source: {key} ({info.dtype}, {info.shape}, {info.shard})",
+            data={"key": key},
+        )
+    ]
+    if info.dtype not in FLOAT_DTYPES:
+        findings.append(
+            Finding(
+                "embedding.dtype",
+                "warning",
+                f"{key} is stored as {info.dtype}",
+                "a quantised embedding needs dequantising before the drafter can use it",
+            )
+        )
+    drafter_rank = ranks[-1]
+    own_copy = any(f"model.layers.{i}.embed_tokens.weight" in checkpoint.tensors for i in cfg.mtp_layer_ids)
+    if not drafter_rank.has_embedding and not own_copy:
+        findings.append(
+            Finding(
+                "placement.drafter_embedding",
+                "warning",
+                f"the drafter runs on rank {drafter_rank.rank} with no local embedding, "
+                "and the checkpoint has no MTP copy",
+                "unpatched engines leave the drafter's embedding uninitialised here; load it from the checkpoint "
+                "(specdoctor check --repair)",
+            )
+        )
+    return findings
