@@ -11,6 +11,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from specdoctor.check_command import CheckOptions, run_check
 from specdoctor.runtime.checkpoint import DEMO_DIR
@@ -37,7 +38,13 @@ def demo_variants(tmp_path_factory):
     headless = root / "headless"
     shutil.copytree(DEMO_DIR, headless)
     rename_key(headless, "model.layers.4.shared_head.head.weight", None)
-    return {"demo": "demo", "language_model": str(language_model), "headless": str(headless)}
+    single = root / "single_file"
+    shutil.copytree(DEMO_DIR, single, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for shard in sorted(DEMO_DIR.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    save_file(tensors, str(single / "model.safetensors"), metadata={"format": "pt"})
+    return {"demo": "demo", "language_model": str(language_model), "headless": str(headless), "single": str(single)}
 
 
 FAULTS = [
@@ -49,6 +56,7 @@ FAULTS = [
     ("demo", 3, "1,1,2", 5, "alias-placeholder", "engine-legacy", "empty"),
     ("headless", 4, None, 1, "fixed", "engine-legacy", "nan"),
     ("language_model", 2, None, 3, "engine-legacy", "engine-legacy", "empty"),
+    ("single", 2, None, 3, "engine-legacy", "engine-legacy", "zeros"),
 ]
 
 
@@ -63,6 +71,7 @@ FAULTS = [
         "alias-placeholder",
         "unloaded-head",
         "language-model-prefix",
+        "single-file-checkpoint",
     ],
 )
 def test_fault_is_detected_twice_and_repaired(demo_variants, model, pp, partition, k, policy, head, fill):

@@ -46,12 +46,14 @@ def first_token_frequencies(p: torch.Tensor, q: torch.Tensor, k: int, n: int, se
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_rejection_sampling_keeps_the_target_distribution(k):
+@pytest.mark.parametrize("backend, sizes", [("torch", (20_000, 200_000)), ("triton", (300, 1_200))])
+def test_rejection_sampling_keeps_the_target_distribution(k, backend, sizes, monkeypatch):
+    monkeypatch.setenv("SPECDOCTOR_KERNELS", backend)  # Triton runs through its interpreter on the CPU
     generator = torch.Generator().manual_seed(0)
     vocab = 6
     p = torch.softmax(torch.randn(k + 1, vocab, generator=generator) * 1.5, -1)
     q = torch.softmax(torch.randn(k, vocab, generator=generator) * 1.5, -1)
-    for n in (20_000, 200_000):
+    for n in sizes:
         freq = first_token_frequencies(p, q, k, n, seed=n)
         # Within 5 standard errors of p, a bound that shrinks as 1/sqrt(n).
         bound = 5 * (p[0] * (1 - p[0]) / n).sqrt() + 1e-9

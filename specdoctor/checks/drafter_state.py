@@ -6,11 +6,13 @@ whatever the memory held: zeros, NaN, stale bytes of another tensor, or a half-w
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import nn
 
+from specdoctor import kernels
 from specdoctor.report import Finding
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.decode import RankModel
@@ -34,23 +36,28 @@ def expected_key(checkpoint: Checkpoint, name: str) -> str | None:
 
 
 def tensor_stats(tensor: torch.Tensor) -> dict:
-    """NaN/Inf counts, zero fraction, and moments of the finite values; duplicate rows for matrices."""
-    values = tensor.detach().float()
-    finite = values[torch.isfinite(values)]
+    """NaN/Inf counts, zero fraction, and moments of the finite values (one pass through the kernels);
+    duplicate rows for matrices, from per-row fingerprints."""
+    raw = kernels.tensor_stats(tensor)
+    numel = tensor.numel()
+    finite = numel - raw["nan"] - raw["posinf"] - raw["neginf"]
+    mean = raw["sum"] / finite if finite else float("nan")
+    variance = (raw["sumsq"] / finite - mean * mean) * finite / (finite - 1) if finite > 1 else float("nan")
     stats = {
-        "numel": values.numel(),
-        "nan": int(torch.isnan(values).sum()),
-        "inf": int(torch.isinf(values).sum()),
-        "zero_fraction": float((values == 0).float().mean()) if values.numel() else 0.0,
-        "mean": float(finite.mean()) if finite.numel() else float("nan"),
-        "std": float(finite.std()) if finite.numel() > 1 else float("nan"),
-        "absmax": float(finite.abs().max()) if finite.numel() else float("nan"),
+        "numel": numel,
+        "nan": raw["nan"],
+        "inf": raw["posinf"] + raw["neginf"],
+        "zero_fraction": raw["zeros"] / numel if numel else 0.0,
+        "mean": mean,
+        "std": math.sqrt(max(variance, 0.0)) if finite > 1 else float("nan"),
+        "absmax": raw["absmax"] if finite else float("nan"),
     }
-    if values.dim() == 2 and values.shape[0] > 1:
-        # Rows hashed by a random projection: equal rows (e.g. an all-zero table) share a hash.
-        projection = torch.randn(values.shape[1], generator=torch.Generator().manual_seed(0)).to(values.device)
-        hashes = torch.nan_to_num(values, nan=1e30) @ projection
-        stats["duplicate_row_fraction"] = 1.0 - hashes.unique().numel() / values.shape[0]
+    if tensor.dim() == 2 and tensor.shape[0] > 1:
+        # Equal rows (e.g. an all-zero table) share a fingerprint: a projection on a fixed random direction.
+        projection = torch.randn(tensor.shape[1], generator=torch.Generator().manual_seed(0)).to(tensor.device)
+        rows = torch.arange(tensor.shape[0], device=tensor.device)
+        _, fingerprints = kernels.row_fingerprints(tensor.detach(), rows, projection)
+        stats["duplicate_row_fraction"] = 1.0 - fingerprints.unique().numel() / tensor.shape[0]
     return stats
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdoctor import kernels
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
 from specdoctor.runtime.layers import DecoderLayer, RMSNorm, rotary_cos_sin
@@ -51,7 +52,8 @@ class MtpDrafter(nn.Module):
         embeds = self.embed_tokens(tokens)
         if not embeds.is_floating_point():  # an aliased PPMissingLayer hands back the token ids themselves
             embeds = embeds[..., None].to(prev_hidden.dtype).expand_as(prev_hidden)
-        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
-        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1))
+        x = layer.eh_proj(
+            kernels.mtp_input(embeds, prev_hidden, positions, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps)
+        )
         hidden = layer(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
         return hidden, layer.shared_head.head(layer.shared_head.norm(hidden))

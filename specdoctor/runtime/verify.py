@@ -4,22 +4,27 @@ Vocabulary: p is the target's distribution, q the drafter's. Draft j is *accepte
 passes; at the first failure the target emits a *recovered* token instead and the step ends;
 if all k drafts pass, the target's distribution after the last draft gives a *bonus* token.
 Either way a step emits accepted + 1 tokens. Output rows are padded with PLACEHOLDER.
+The work is done by `specdoctor.kernels` (Triton on CUDA, the torch reference on CPU).
 """
 
 from __future__ import annotations
 
 import torch
 
-PLACEHOLDER = -1
+from specdoctor import kernels
+from specdoctor.kernels.reference import PLACEHOLDER
+
+__all__ = ["PLACEHOLDER", "verify_greedy", "verify_random"]
 
 
-def _emit(accepted: torch.Tensor, drafts: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
-    """Row b: drafts[b, :n] then last_token[b] at index n, then placeholders ([B, k+1])."""
+def _flat(drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [B, k] batch as the kernels' ragged form: drafts [B*k] and cumulative counts [B]."""
     batch, k = drafts.shape
-    index = torch.arange(k + 1, device=drafts.device)
-    padded = torch.cat([drafts, torch.full((batch, 1), PLACEHOLDER, device=drafts.device)], dim=1)
-    out = torch.where(index < accepted[:, None], padded, PLACEHOLDER)
-    return out.scatter(1, accepted[:, None], last_token[:, None])
+    return drafts.reshape(-1), torch.arange(1, batch + 1, device=drafts.device) * k
+
+
+def _accepted(emitted: torch.Tensor) -> torch.Tensor:
+    return (emitted != PLACEHOLDER).sum(dim=1) - 1
 
 
 def verify_greedy(
@@ -27,11 +32,11 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [B, k+1, V] target logits at the pending token and each draft
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted counts [B], emitted tokens [B, k+1]): accept while the draft is the target's argmax."""
+    k = drafts.shape[1]
     argmax = target_logits.argmax(-1)  # [B, k+1]
-    matches = (drafts == argmax[:, :-1]).long()
-    accepted = matches.cumprod(dim=1).sum(dim=1)
-    # Recovered (first mismatch) or bonus (all matched): the target's argmax at index n.
-    return accepted, _emit(accepted, drafts, argmax.gather(1, accepted[:, None]).squeeze(1))
+    flat, cu = _flat(drafts)
+    emitted = kernels.rejection_greedy(flat, cu, argmax[:, :k].reshape(-1), argmax[:, k], k)
+    return _accepted(emitted), emitted
 
 
 def verify_random(
@@ -43,16 +48,13 @@ def verify_random(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling: accept draft x when p(x) / q(x) >= u, which keeps the output distributed as p."""
     batch, k = drafts.shape
-    p_draft = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(-1)
-    q_draft = draft_probs.gather(2, drafts[..., None]).squeeze(-1)
-    passed = (p_draft >= uniform * q_draft).long()  # p/q >= u without dividing by a zero q
-    accepted = passed.cumprod(dim=1).sum(dim=1)
-    # At the first rejection sample from normalise(max(p - q, 0)); after k acceptances, from p.
-    q_padded = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)
-    index = accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])
-    residual = (target_probs.gather(1, index) - q_padded.gather(1, index)).clamp_min(0).squeeze(1)
-    mass = residual.sum(-1, keepdim=True)
-    # p == q leaves no residual mass; then any token is as good as p itself.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs.gather(1, index).squeeze(1))
-    last = torch.multinomial(residual, 1, generator=generator).squeeze(1)
-    return accepted, _emit(accepted, drafts, last)
+    vocab = target_probs.shape[-1]
+    flat, cu = _flat(drafts)
+    q = draft_probs.reshape(-1, vocab)
+    p = target_probs[:, :k].reshape(-1, vocab)
+    # Noise drawn up front, so the kernels need no host synchronisation.
+    exponential = torch.empty_like(p).exponential_(generator=generator)
+    recovered = kernels.sample_recovered(flat, q, p, exponential)
+    bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
+    emitted = kernels.rejection_random(flat, cu, q, p, uniform.reshape(-1), recovered, bonus, k)
+    return _accepted(emitted), emitted
