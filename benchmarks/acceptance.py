@@ -8,16 +8,13 @@ Every speculative run is checked against plain greedy output (lossless: yes/no).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
+from benchmarks.common import machine, write_json
 from benchmarks.demo_quality import held_out_prompts
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from specdoctor.runtime.engine import Engine
@@ -83,21 +80,10 @@ def main() -> None:
     console = Console()
     console.print(table)
     console.print("* mean acceptance length = 1 + accepted / drafts: it counts the bonus token.")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    console.print(f"machine: {machine}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"machine: {machine()}")
     keys = ("embedding_policy", "head_policy", "fill", "k", "lossless", "metrics")
-    args.json.write_text(
-        json.dumps(
-            {
-                "machine": machine,
-                "settings": {**vars(args), "json": str(args.json)},
-                "rows": [dict(zip(keys, row, strict=True)) for row in rows],
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    rows_json = [dict(zip(keys, row, strict=True)) for row in rows]
+    write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "rows": rows_json})
 
 
 if __name__ == "__main__":

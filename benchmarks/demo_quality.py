@@ -8,9 +8,6 @@ Prints the greedy MTP acceptance at draft position 0 and writes JSON:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
+from benchmarks.common import machine, write_json
 from specdoctor.demo_corpus import corpus_files, read_texts
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.loader import load_drafter, load_target_stage
@@ -51,7 +49,7 @@ def main() -> None:
     start = time.perf_counter()
     acceptance = position0_acceptance(target, drafter, prompts, args.new_tokens)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": machine(),
         "settings": vars(args) | {"json": str(args.json)},
         "position0_acceptance": acceptance,
         "seconds": round(time.perf_counter() - start, 2),
@@ -63,8 +61,7 @@ def main() -> None:
     table.add_row("prompts x new tokens", f"{args.prompts} x {args.new_tokens}")
     table.add_row("machine", result["machine"])
     Console().print(table)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

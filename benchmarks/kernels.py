@@ -9,9 +9,6 @@ The floor is bytes moved / measured copy bandwidth (a clone of a large buffer on
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import machine, write_json
 from specdoctor.kernels import reference
 
 
@@ -148,14 +146,8 @@ def main() -> None:
             "On the CPU the runtime uses the torch reference (timed above); on a GPU this command also "
             "times the Triton kernels and their distance from the bandwidth floor."
         )
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    if device.type == "cuda":
-        machine += f", {torch.cuda.get_device_name()}"
-    console.print(f"machine: {machine}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"machine": machine, "bandwidth_bytes_per_s": bandwidth, "rows": rows}, indent=2) + "\n"
-    )
+    console.print(f"machine: {machine()}")
+    write_json(args.json, {"bandwidth_bytes_per_s": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
+from benchmarks.common import machine, write_json
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.mtp import MtpLayer
@@ -113,7 +112,6 @@ def main() -> None:
             timings.append((opened - start, time.perf_counter() - opened))
         assert checkpoint.bytes_read == 0
     best_open, best_checks = min(timings, key=sum)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     table = Table(title=f"Pre-flight from headers: {keys:,} keys in {args.shards} shards, PP {args.pp}")
     for column in ("step", "best of " + str(args.repeats)):
         table.add_column(column)
@@ -122,15 +120,8 @@ def main() -> None:
     table.add_row("total", f"{(best_open + best_checks) * 1000:.0f} ms")
     table.add_row("tensor bytes read", "0")
     Console().print(table)
-    Console().print(f"machine: {machine}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {"machine": machine, "keys": keys, "shards": args.shards, "open_s": best_open, "checks_s": best_checks},
-            indent=2,
-        )
-        + "\n"
-    )
+    Console().print(f"machine: {machine()}")
+    write_json(args.json, {"keys": keys, "shards": args.shards, "open_s": best_open, "checks_s": best_checks})
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,26 +69,44 @@ def run_check(options: CheckOptions, show_progress: bool) -> Report:
     codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
     prompts = [codec.encode(entry["prompt"]) for entry in battery]
     steps = 4 + (3 if options.repair else 0)
+    clock = StageClock(report.timings)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         task = progress.add_task(f"starting {options.pp} pipeline rank(s)", total=steps)
         with Engine.from_options(options) as engine:
+            clock.lap("start_ranks")
             progress.update(task, advance=1, description=f"battery: target only ({len(prompts)} prompts)")
             plain = engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
+            clock.lap("target_only_battery")
             progress.advance(task)
             before = run_stage(engine, "before", options.drafter_policy, options, prompts, plain, progress, task)
             report.stages.append(before)
+            clock.lap("before")
             if options.repair:
                 progress.update(task, description="repair: reading the drafter's tensors from the checkpoint")
                 report.repair = engine.drafter_command(
                     "repair_drafter", names=before.drafter["broken"], tp_size=options.tp_size, tp_rank=options.tp_rank
                 )
                 report.repair_findings = repair_findings(report.repair)
+                clock.lap("repair")
                 progress.advance(task)
                 if report.repair["repaired"]:
-                    report.stages.append(
-                        run_stage(engine, "after", "repaired", options, prompts, plain, progress, task)
-                    )
+                    after = run_stage(engine, "after", "repaired", options, prompts, plain, progress, task)
+                    report.stages.append(after)
+                    clock.lap("after")
+        clock.lap("stop_ranks")
     return report
+
+
+class StageClock:
+    """Seconds spent in each stage of a check, recorded into the report."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = round(now - self.last, 3)
+        self.last = now
 
 
 def run_stage(engine, name, policy, options, prompts, plain, progress, task) -> StageResult:

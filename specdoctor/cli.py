@@ -196,6 +196,48 @@ def repair_command(
     _check(model, pp, pp_partition, num_speculative_tokens, repair=True, json_out=json_out, junit_xml=junit_xml)
 
 
+@app.command()
+def serve(
+    model: ModelOption,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel ranks (one process each).")] = 1,
+    pp_partition: PartitionOption = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (0 = off).")] = 3,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    allow_unhealthy: Annotated[
+        bool, typer.Option("--allow-unhealthy", help="Serve even with error findings, without repairing.")
+    ] = False,
+    drafter_policy: PolicyOption = "fixed",
+    head_policy: HeadPolicyOption = "fixed",
+    fill: FillOption = "empty",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    timeout: TimeoutOption = 60.0,
+) -> None:
+    """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics."""
+    from specdoctor.serve_command import ServeOptions, run_serve
+
+    run_serve(
+        ServeOptions(
+            model,
+            pp,
+            pp_partition,
+            num_speculative_tokens,
+            host,
+            port,
+            api_key,
+            allow_unhealthy,
+            drafter_policy,
+            head_policy,
+            fill,
+            device,
+            dtype,
+            timeout,
+        )
+    )
+
+
 def main() -> None:
     try:
         app()

@@ -44,6 +44,7 @@ class Report:
     stages: list[StageResult] = field(default_factory=list)
     repair: dict | None = None
     repair_findings: list[Finding] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
     @property
     def final_findings(self) -> list[Finding]:
@@ -91,6 +92,7 @@ class Report:
             "repair": self.repair,
             "repair_findings": [asdict(f) for f in self.repair_findings],
             "comparison": self.comparison(),
+            "timings": self.timings,
             "findings": [asdict(f) for f in self.all_findings()],
             "verdict": {"healthy": self.healthy, "exit_code": self.exit_code, "summary": self.verdict()},
         }

@@ -29,10 +29,15 @@ from specdoctor.runtime.verify import PLACEHOLDER, verify_greedy, verify_random
 @dataclass(frozen=True)
 class GenerateRequest:
     prompts: list[list[int]]
-    max_new_tokens: int
+    max_new_tokens: int | list[int]  # one limit for the batch, or one per prompt
     sampling: SamplingParams = SamplingParams()
     num_speculative_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+
+    def limits(self) -> list[int]:
+        if isinstance(self.max_new_tokens, int):
+            return [self.max_new_tokens] * len(self.prompts)
+        return list(self.max_new_tokens)
 
 
 @dataclass
@@ -41,6 +46,7 @@ class GenerateResult:
     finish_reasons: list[str]
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
+    row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
 
 
 @dataclass
@@ -149,13 +155,13 @@ def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | 
 def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
     if not request.prompts or any(len(p) == 0 for p in request.prompts):
         raise SpecdoctorError("every prompt needs at least one token")
-    if request.max_new_tokens < 1:
-        raise SpecdoctorError("max_new_tokens must be at least 1")
+    if len(request.limits()) != len(request.prompts) or min(request.limits()) < 1:
+        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
     if not 0 <= request.num_speculative_tokens <= 8:
         raise SpecdoctorError(f"num_speculative_tokens must be in 0..8, got {request.num_speculative_tokens}")
     if request.num_speculative_tokens and cfg.num_nextn_predict_layers == 0:
         raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
-    longest = max(len(p) for p in request.prompts) + request.max_new_tokens
+    longest = max(len(p) + limit for p, limit in zip(request.prompts, request.limits(), strict=True))
     if longest > cfg.max_position_embeddings:
         raise SpecdoctorError(
             f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
@@ -163,15 +169,16 @@ def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
 
 
 @torch.no_grad()
-def generate(model: RankModel, request: GenerateRequest) -> GenerateResult:
-    """Run one batch of prompts to completion; every rank returns the same result."""
+def generate(model: RankModel, request: GenerateRequest, on_step=None) -> GenerateResult:
+    """Run one batch of prompts to completion; every rank returns the same result.
+    `on_step(result)` sees the result as it grows, after every step (for streaming)."""
     check_request(request, model.stage.config)
     k, sampling = request.num_speculative_tokens, request.sampling
     device = next(model.stage.parameters()).device
     ids, lengths = pad_right(request.prompts, device)
     batch = len(request.prompts)
     # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
-    max_len = int(lengths.max()) + request.max_new_tokens + 2 * k
+    max_len = int(lengths.max()) + max(request.limits()) + 2 * k
     cache = new_cache(model.stage, batch, max_len)
     generator = None
     drafts = None
@@ -180,7 +187,7 @@ def generate(model: RankModel, request: GenerateRequest) -> GenerateResult:
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         if k:
             drafts = Drafts(model, batch, max_len, k, sampling, generator)
-    result = GenerateResult([[] for _ in range(batch)], [""] * batch)
+    result = GenerateResult([[] for _ in range(batch)], [""] * batch, row_metrics=[SpecMetrics() for _ in range(batch)])
     decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=device)
 
     # Prefill: the prompt through every rank; the last rank picks the first token and the first drafts.
@@ -202,6 +209,8 @@ def generate(model: RankModel, request: GenerateRequest) -> GenerateResult:
     model.comm.broadcast_from_last(decision)
     filled = lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
     active = _commit(result, decision, k, request, count_metrics=False)
+    if on_step:
+        on_step(result)
 
     while any(active):
         pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
@@ -213,6 +222,8 @@ def generate(model: RankModel, request: GenerateRequest) -> GenerateResult:
         active = _commit(result, decision, k, request, count_metrics=True, active=active)
         # Finished rows stay in the batch but stop advancing, so they never outgrow the KV cache.
         filled = torch.where(torch.tensor(active, device=device), filled + decision[:, 0] + 1, filled)
+        if on_step:
+            on_step(result)
     return result
 
 
@@ -220,6 +231,7 @@ def _commit(result, decision, k, request, count_metrics, active=None) -> list[bo
     """Append each active sequence's emitted tokens; stop at EOS or max_new_tokens.
     decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)]."""
     active = active or [True] * len(result.tokens)
+    limits = request.limits()
     still = []
     for row, (n, *rest) in enumerate(decision.tolist()):
         if not active[row]:
@@ -227,12 +239,13 @@ def _commit(result, decision, k, request, count_metrics, active=None) -> list[bo
             continue
         if count_metrics and k:
             result.metrics.record(n, k)
+            result.row_metrics[row].record(n, k)
         for token in rest[: n + 1]:
             if token in request.eos_token_ids:
                 result.finish_reasons[row] = "stop"
                 break
             result.tokens[row].append(token)
-            if len(result.tokens[row]) >= request.max_new_tokens:
+            if len(result.tokens[row]) >= limits[row]:
                 result.finish_reasons[row] = "length"
                 break
         still.append(not result.finish_reasons[row])

@@ -102,17 +102,23 @@ class Engine:
     def generate(
         self,
         prompts: list[list[int]],
-        max_new_tokens: int = 64,
+        max_new_tokens: int | list[int] = 64,
         sampling: SamplingParams = SamplingParams(),
         num_speculative_tokens: int | None = None,
+        on_tokens=None,
     ) -> GenerateResult:
+        """Generate for a batch; `on_tokens(tokens per prompt so far)` is called after every step."""
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         request = GenerateRequest(prompts, max_new_tokens, sampling, k, self.eos_token_ids)
         check_request(request, self.config)
         self._inbox.put(("generate", request))
-        return self._wait_for("result")[2]
+        return self._wait_for("result", on_partial=on_tokens)[2]
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(process.exitcode is None for process in self._processes)
 
     def prompt_logits(self, prompts: list[list[int]]) -> torch.Tensor:
         """Target logits at every prompt position, [B, Lmax, V], computed through the whole pipeline."""
@@ -128,7 +134,7 @@ class Engine:
         self._inbox.put((kind, payload))
         return self._wait_for(kind)[2]
 
-    def _wait_for(self, wanted: str) -> tuple:
+    def _wait_for(self, wanted: str, on_partial=None) -> tuple:
         while True:
             try:
                 kind, rank, payload = self._outbox.get(timeout=0.2)
@@ -142,6 +148,8 @@ class Engine:
                 raise PipelineError(payload)
             if kind == wanted:
                 return kind, rank, payload
+            if kind == "partial" and on_partial:
+                on_partial(payload)
 
     def _raise_if_a_rank_died(self, reported: str | None = None) -> None:
         dead = [(rank, p.exitcode) for rank, p in enumerate(self._processes) if p.exitcode is not None]

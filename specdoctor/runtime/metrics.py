@@ -22,6 +22,16 @@ class SpecMetrics:
         for position in range(accepted):
             self.num_accepted_tokens_per_pos[position] += 1
 
+    def add(self, other: "SpecMetrics") -> None:
+        """Accumulate another set of counters (e.g. one request's into the server's)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        missing = len(other.num_accepted_tokens_per_pos) - len(self.num_accepted_tokens_per_pos)
+        self.num_accepted_tokens_per_pos += [0] * max(0, missing)
+        for position, count in enumerate(other.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos[position] += count
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

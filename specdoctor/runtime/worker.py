@@ -84,8 +84,10 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
         if kind == "shutdown":
             return
         if kind == "generate":
-            result = generate(model, payload)
-            if model.placement.is_first:
+            first = model.placement.is_first
+            tokens_so_far = (lambda result: reply("partial", result.tokens)) if first else None
+            result = generate(model, payload, on_step=tokens_so_far)
+            if first:
                 reply("result", result)
         elif kind == "score":
             logits = prompt_logits(model, payload)
@@ -101,14 +103,16 @@ def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, ou
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     model = None
+    parent = os.getppid()
 
     def next_command() -> tuple:
         # Idle ranks wait inside a collective; a heartbeat keeps them under its timeout and
         # notices a dead peer even when no request is in flight.
         try:
-            return inbox.get(timeout=spec.timeout_s / 4)
+            return inbox.get(timeout=min(spec.timeout_s / 4, 2.0))
         except queue.Empty:
-            return ("noop", None)
+            # A controller killed without closing the engine leaves no one to send "shutdown".
+            return ("shutdown", None) if os.getppid() != parent else ("noop", None)
 
     try:
         model, info = load_rank(spec, rank, world_size)
@@ -133,8 +137,13 @@ def run_under_torchrun(spec: EngineSpec, request: GenerateRequest):
     model, _ = load_rank(spec, rank, world_size)
     commands = iter([("generate", request), ("shutdown", None)])
     results = []
+
+    def keep_result(kind: str, payload) -> None:
+        if kind == "result":  # per-step "partial" messages matter only to a streaming controller
+            results.append(payload)
+
     try:
-        serve(model, (lambda: next(commands)) if rank == 0 else None, lambda _kind, result: results.append(result))
+        serve(model, (lambda: next(commands)) if rank == 0 else None, keep_result)
     finally:
         model.comm.close()
     return results[0] if results else None

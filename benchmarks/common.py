@@ -1,0 +1,22 @@
+"""What every benchmark shares: the machine description and writing its JSON next to the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine() -> str:
+    text = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name()}"
+    return text
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""`specdoctor serve`: an OpenAI-compatible HTTP server over the pipeline runtime."""
