@@ -138,7 +138,6 @@ def _check(
     junit_xml: Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")] = None,
 ) -> None:
     from specdoctor.check_command import CheckOptions, run_check
-    from specdoctor.report import render_human, to_json, to_junit
 
     options = CheckOptions(
         model,
@@ -158,7 +157,13 @@ def _check(
         dtype,
         timeout,
     )
-    report = run_check(options, show_progress=json_out != "-")
+    _emit(run_check(options, show_progress=json_out != "-"), json_out, junit_xml)
+
+
+def _emit(report, json_out: str | None, junit_xml: Path | None) -> None:
+    """Human tables on stdout (or only JSON with --json -), optional JSON/JUnit files; exit with the verdict."""
+    from specdoctor.report import render_human, to_json, to_junit
+
     if json_out == "-":
         sys.stdout.write(to_json(report))
     else:
@@ -236,6 +241,32 @@ def serve(
             timeout,
         )
     )
+
+
+@app.command()
+def probe(
+    url: Annotated[str, typer.Option("--url", help="Base URL of the deployment, e.g. http://127.0.0.1:8000")],
+    api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model to probe (default: the first served).")] = None,
+    battery: Annotated[
+        Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: built-in 9).')
+    ] = None,
+    min_acceptance_length: Annotated[float, typer.Option(help="Fail below this mean acceptance length.")] = 1.4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per battery prompt.")] = 32,
+    request_timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="Seconds for the whole probe.")] = 600.0,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")
+    ] = None,
+    junit_xml: Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")] = None,
+) -> None:
+    """Check a live deployment's speculative decoding over HTTP; exit 0 healthy, 1 findings, 2 unusable input."""
+    from specdoctor.probe_command import ProbeOptions, run_probe
+
+    report = run_probe(
+        ProbeOptions(url, api_key, model, battery, min_acceptance_length, max_tokens, request_timeout, timeout)
+    )
+    _emit(report, json_out, junit_xml)
 
 
 def main() -> None:

@@ -68,15 +68,15 @@ class Report:
     def comparison(self) -> list[dict]:
         rows = []
         for stage in self.stages:
-            behaviour = stage.behaviour
+            metrics = stage.behaviour.get("metrics") or {}  # a probe of a server without counters has none
             rows.append(
                 {
                     "stage": stage.name,
                     "policy": stage.policy,
-                    "mean_acceptance_length": behaviour.get("metrics", {}).get("mean_acceptance_length"),
-                    "acceptance_rate": behaviour.get("metrics", {}).get("acceptance_rate"),
-                    "per_position_acceptance_rate": behaviour.get("metrics", {}).get("per_position_acceptance_rate"),
-                    "battery": behaviour.get("battery"),
+                    "mean_acceptance_length": metrics.get("mean_acceptance_length"),
+                    "acceptance_rate": metrics.get("acceptance_rate"),
+                    "per_position_acceptance_rate": metrics.get("per_position_acceptance_rate"),
+                    "battery": stage.behaviour.get("battery"),
                 }
             )
         return rows
@@ -137,18 +137,19 @@ def findings_table(title: str, findings: list[Finding]) -> Table:
 
 
 def render_human(report: Report, console: Console) -> None:
-    placement = Table(title=f"Placement · PP {report.settings['pp']}")
-    for column in ("rank", "layers", "embedding", "head", "drafter"):
-        placement.add_column(column)
-    for rank in report.placement:
-        start, stop = rank["layers"]
-        placement.add_row(
-            str(rank["rank"]),
-            f"[{start}, {stop})",
-            *("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter")),
-        )
-    console.print(placement)
-    console.print(findings_table("Pre-flight (headers only)", report.preflight))
+    if report.placement:  # a probe of a live server has no placement or pre-flight of its own
+        placement = Table(title=f"Placement · PP {report.settings['pp']}")
+        for column in ("rank", "layers", "embedding", "head", "drafter"):
+            placement.add_column(column)
+        for rank in report.placement:
+            start, stop = rank["layers"]
+            placement.add_row(
+                str(rank["rank"]),
+                f"[{start}, {stop})",
+                *("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter")),
+            )
+        console.print(placement)
+        console.print(findings_table("Pre-flight (headers only)", report.preflight))
     for stage in report.stages:
         console.print(findings_table(f"Loaded drafter and battery · {stage.name} · {stage.policy}", stage.findings))
         if stage.name == "before" and report.repair is not None:
@@ -166,9 +167,9 @@ def render_human(report: Report, console: Console) -> None:
         comparison.add_row(
             row["stage"],
             row["policy"],
-            f"{row['mean_acceptance_length']:.2f}",
-            f"{row['acceptance_rate']:.1%}",
-            " ".join(f"{r:.0%}" for r in rates),
+            "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}",
+            "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}",
+            " ".join(f"{r:.0%}" for r in rates) or "-",
             row["battery"] or "-",
         )
     console.print(comparison)

@@ -179,7 +179,7 @@ class Reply:
         return {
             **self.envelope(self.choice(text, reason, delta=False), chunk=False),
             "usage": usage,
-            "spec_decode": spec.to_dict(),
+            **self.spec_fields(spec),
         }
 
     async def events(self, scheduler: BatchScheduler):
@@ -209,8 +209,12 @@ class Reply:
         if len(text) > len(sent) and text.startswith(sent):
             yield self.sse(self.envelope(self.choice(text[len(sent) :], None, delta=True), chunk=True))
         final = self.envelope(self.choice("", reason, delta=True), chunk=True)
-        yield self.sse({**final, "usage": usage, "spec_decode": spec.to_dict()})
+        yield self.sse({**final, "usage": usage, **self.spec_fields(spec)})
         yield "data: [DONE]\n\n"
+
+    def spec_fields(self, spec: SpecMetrics) -> dict:
+        """This request's speculative counters, when speculative decoding is on."""
+        return {"spec_decode": spec.to_dict()} if self.state.metrics.speculative else {}
 
     @staticmethod
     def sse(payload: dict) -> str:

@@ -1,0 +1,186 @@
+"""`specdoctor probe`: judge a live deployment's speculative decoding from outside, over HTTP.
+
+The probe sends the battery (completions, greedy, fixed max_tokens) once, with no retries that
+could double count. Acceptance comes from the best source the server offers:
+  per-request   counters in each response (`spec_decode`, specdoctor's server): exactly the probe's own
+                traffic, whatever else the server is doing;
+  sglang        `meta_info.spec_verify_ct` per response: mean length = completion tokens / verify count;
+  metrics       the difference of vLLM's cumulative counters in /metrics before and after: includes any
+                other traffic the server handled during the probe's window (a documented limit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from specdoctor import prometheus
+from specdoctor.checks.behaviour import load_battery
+from specdoctor.errors import SpecdoctorError
+from specdoctor.report import Finding, Report, StageResult
+from specdoctor.runtime.metrics import SpecMetrics
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    url: str
+    api_key: str | None = None
+    model: str | None = None
+    battery: Path | None = None
+    min_acceptance_length: float = 1.4
+    max_tokens: int = 32
+    request_timeout_s: float = 60.0
+    total_timeout_s: float = 600.0
+
+
+class Probe:
+    def __init__(self, options: ProbeOptions):
+        self.options = options
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        self.client = httpx.Client(base_url=options.url.rstrip("/"), headers=headers, timeout=options.request_timeout_s)
+        self.deadline = time.monotonic() + options.total_timeout_s
+
+    def get(self, path: str) -> httpx.Response:
+        try:
+            return self.client.get(path)
+        except httpx.HTTPError as err:
+            raise SpecdoctorError(
+                f"{self.options.url}: cannot reach the server ({type(err).__name__}: {err})"
+            ) from None
+
+    def model_name(self) -> str:
+        response = self.get("/v1/models")
+        if response.status_code == 401:
+            raise SpecdoctorError(f"{self.options.url}: the server wants an API key (--api-key)")
+        try:
+            models = [entry["id"] for entry in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise SpecdoctorError(
+                f"{self.options.url}: not an OpenAI-compatible server (GET /v1/models answered "
+                f"{response.status_code} without a model list)"
+            ) from None
+        if self.options.model and self.options.model not in models:
+            raise SpecdoctorError(f"{self.options.url}: model {self.options.model!r} is not served (serving {models})")
+        return self.options.model or models[0]
+
+    def scrape(self) -> SpecMetrics | None:
+        response = self.get("/metrics")
+        return prometheus.spec_counters(prometheus.parse(response.text)) if response.status_code == 200 else None
+
+    def complete(self, model: str, prompt: str) -> dict:
+        if time.monotonic() > self.deadline:
+            raise SpecdoctorError(f"the probe ran past its {self.options.total_timeout_s:.0f} s limit")
+        body = {"model": model, "prompt": prompt, "max_tokens": self.options.max_tokens, "temperature": 0}
+        try:
+            response = self.client.post("/v1/completions", json=body)
+        except httpx.HTTPError as err:
+            raise SpecdoctorError(f"{self.options.url}: a completion failed ({type(err).__name__}: {err})") from None
+        if response.status_code != 200:
+            raise SpecdoctorError(
+                f"{self.options.url}: POST /v1/completions answered {response.status_code}: {response.text[:200]}"
+            )
+        return response.json()
+
+
+def run_probe(options: ProbeOptions) -> Report:
+    probe = Probe(options)
+    battery = load_battery(options.battery)
+    model = probe.model_name()
+    before = probe.scrape()
+    replies = [probe.complete(model, entry["prompt"]) for entry in battery]
+    after = probe.scrape()
+    source, metrics = acceptance(replies, before, after)
+    findings = probe_findings(source, metrics, options.min_acceptance_length)
+    behaviour = {
+        "battery": f"{len(replies)}/{len(battery)} answered",
+        "source": source,
+        "metrics": metrics.to_dict() if isinstance(metrics, SpecMetrics) else metrics,
+    }
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.__dict__.items() if k != "api_key"}
+    return Report(options.url, settings, [], [], [StageResult("probe", model, findings, {}, behaviour)])
+
+
+def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | dict | None]:
+    """(source, figures) for the probe's traffic, from the best source the server offers."""
+    per_request = [reply.get("spec_decode") for reply in replies]
+    if replies and all(isinstance(spec, dict) for spec in per_request):
+        total = SpecMetrics()
+        for spec in per_request:
+            total.add(
+                SpecMetrics(
+                    spec["num_drafts"],
+                    spec["num_draft_tokens"],
+                    spec["num_accepted_tokens"],
+                    list(spec["num_accepted_tokens_per_pos"]),
+                )
+            )
+        return "per-request", total
+    verify_counts = [(reply.get("meta_info") or {}).get("spec_verify_ct") for reply in replies]
+    if replies and all(isinstance(count, int) and count > 0 for count in verify_counts):
+        tokens = sum(reply["usage"]["completion_tokens"] for reply in replies)
+        return "sglang", {"mean_acceptance_length": tokens / sum(verify_counts), "verify_steps": sum(verify_counts)}
+    if before is None or after is None:
+        return "none", None
+    if after.num_drafts < before.num_drafts:
+        raise SpecdoctorError("the speculative counters went backwards: the server restarted during the probe")
+    return "metrics", prometheus.difference(after, before)
+
+
+def probe_findings(source: str, metrics, min_length: float) -> list[Finding]:
+    if metrics is None:
+        return [
+            Finding(
+                "probe.enabled",
+                "error",
+                "speculative decoding is not enabled: the server reports no speculative counters",
+                "start the server with a drafter (e.g. --num-speculative-tokens 3)",
+                "probe",
+            )
+        ]
+    if isinstance(metrics, dict):  # SGLang: only the mean length is known
+        mean, rates = metrics["mean_acceptance_length"], []
+    else:
+        if metrics.num_drafts == 0:
+            return [
+                Finding(
+                    "probe.enabled",
+                    "error",
+                    "no drafts were proposed during the probe",
+                    "speculative decoding is configured but not drafting",
+                    "probe",
+                )
+            ]
+        mean, rates = metrics.mean_acceptance_length, metrics.per_position_rates
+    summary = f"mean acceptance length {mean:.2f} (counts the bonus token), from {source} figures"
+    findings = []
+    if mean < min_length:
+        broken = mean < 1.05 and (not rates or rates[0] < 0.05)
+        findings.append(
+            Finding(
+                "probe.acceptance",
+                "error",
+                f"{summary}: below {min_length}" + (": drafter broken" if broken else ""),
+                "an uninitialised or aliased drafter embedding, or missing drafter weights: run specdoctor check "
+                "--repair on the checkpoint"
+                if broken
+                else "a healthy MTP drafter accepts most position-0 drafts",
+                "probe",
+                {"mean_acceptance_length": mean},
+            )
+        )
+    else:
+        findings.append(Finding("probe.acceptance", "info", summary, stage="probe"))
+    if len(rates) >= 2 and rates[0] >= 0.3 and rates[1] < 0.25 * rates[0]:
+        findings.append(
+            Finding(
+                "probe.chain",
+                "warning",
+                f"acceptance drops from {rates[0]:.0%} at position 0 to {rates[1]:.0%} at position 1",
+                "multi-step chain broken: the wrong hidden state or norm is fed back",
+                "probe",
+            )
+        )
+    return findings

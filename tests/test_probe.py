@@ -1,0 +1,149 @@
+"""`specdoctor probe` against `specdoctor serve` over real sockets, and its readers of vLLM's
+Prometheus exposition and SGLang's per-response fields."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+import xml.etree.ElementTree as ET
+
+import httpx
+import pytest
+
+from specdoctor import prometheus
+from specdoctor.probe_command import acceptance, probe_findings
+from specdoctor.runtime.metrics import SpecMetrics
+from tests.test_server import Server, free_port
+
+VLLM_SAMPLE = """\
+# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="glm"} 120.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="glm"} 1.7e+09
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="glm"} 360.0
+vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="glm"} 1.7e+09
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="glm"} 200.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm",position="0"} 100.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="glm",position="0"} 1.7e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm",position="1"} 70.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm",position="2"} 30.0
+vllm:num_requests_running{engine="0",model_name="glm"} 0.0
+"""
+
+
+def test_reads_vllm_exposition_with_total_created_and_position_labels():
+    metrics = prometheus.spec_counters(prometheus.parse(VLLM_SAMPLE))
+    assert metrics == SpecMetrics(120, 360, 200, [100, 70, 30])
+    assert metrics.mean_acceptance_length == pytest.approx(1 + 200 / 120)
+    assert prometheus.spec_counters(prometheus.parse("vllm:num_requests_running 0\n")) is None
+
+
+def test_window_uses_differences_and_sglang_uses_verify_counts():
+    before = SpecMetrics(100, 300, 150, [80, 50, 20])
+    after = SpecMetrics(130, 390, 160, [90, 55, 15 + 5 + 0])
+    source, window = acceptance([{"usage": {"completion_tokens": 5}}], before, after)
+    assert source == "metrics" and window == SpecMetrics(30, 90, 10, [10, 5, 0])
+    sglang = [
+        {"usage": {"completion_tokens": 30}, "meta_info": {"spec_verify_ct": 10}},
+        {"usage": {"completion_tokens": 10}, "meta_info": {"spec_verify_ct": 10}},
+    ]
+    source, figures = acceptance(sglang, None, None)
+    assert source == "sglang" and figures["mean_acceptance_length"] == 2.0
+    chain = probe_findings("metrics", SpecMetrics(100, 300, 90, [85, 5, 0]), 1.4)
+    assert any(f.check == "probe.chain" for f in chain)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {
+        "healthy": Server("--pp", "2", "--num-speculative-tokens", "3"),
+        "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--allow-unhealthy"),
+        "off": Server("--num-speculative-tokens", "0"),
+    }
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+def probe(url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_healthy_server_passes(servers):
+    result = probe(servers["healthy"].url, "--json", "-")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"]["healthy"] and report["comparison"][0]["mean_acceptance_length"] >= 2.0
+
+
+def test_broken_drafter_fails_with_its_signature(servers, tmp_path):
+    junit = tmp_path / "probe.xml"
+    result = probe(servers["broken"].url, "--json", "-", "--junit-xml", str(junit))
+    assert result.returncode == 1
+    findings = json.loads(result.stdout)["findings"]
+    assert any(f["check"] == "probe.acceptance" and "drafter broken" in f["message"] for f in findings)
+    failures = [
+        case.get("name") for case in ET.parse(junit).getroot().iter("testcase") if case.find("failure") is not None
+    ]
+    assert failures == ["probe.acceptance"]
+
+
+def test_speculative_decoding_off_is_reported(servers):
+    result = probe(servers["off"].url, "--json", "-")
+    assert result.returncode == 1
+    findings = json.loads(result.stdout)["findings"]
+    assert [f["check"] for f in findings] == ["probe.enabled"] and "not enabled" in findings[0]["message"]
+
+
+def test_other_traffic_is_excluded_by_per_request_figures(servers):
+    """During the probe another client keeps the server busy: the /metrics window counts both, the
+    probe's per-request figures only its own traffic."""
+    url = servers["healthy"].url
+    stop = threading.Event()
+
+    def other_client():
+        while not stop.is_set():
+            httpx.post(
+                f"{url}/v1/completions", json={"prompt": "while True:", "max_tokens": 8, "temperature": 0}, timeout=60
+            )
+
+    before = prometheus.spec_counters(prometheus.parse(httpx.get(f"{url}/metrics").text))
+    thread = threading.Thread(target=other_client)
+    thread.start()
+    try:
+        result = probe(url, "--json", "-")
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    after = prometheus.spec_counters(prometheus.parse(httpx.get(f"{url}/metrics").text))
+    stage = json.loads(result.stdout)["stages"][0]
+    assert stage["behaviour"]["source"] == "per-request"
+    assert stage["behaviour"]["metrics"]["num_drafts"] < after.num_drafts - before.num_drafts
+
+
+def test_unreachable_server_exits_2():
+    result = probe(f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_server_that_is_not_openai_compatible_exits_2():
+    handler = http.server.SimpleHTTPRequestHandler
+    handler.log_message = lambda *args: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = probe(f"http://127.0.0.1:{httpd.server_address[1]}")
+    finally:
+        httpd.shutdown()
+    assert result.returncode == 2
+    assert "not an OpenAI-compatible server" in result.stderr and len(result.stderr.strip().splitlines()) == 1
