@@ -1,6 +1,6 @@
 """Acceptance on the demo model, in the pipeline runtime, for each drafter loading policy.
 
-    python benchmarks/acceptance.py [--pp 4] [--prompts 16] [--new-tokens 64] [--json runs/acceptance.json]
+    python -m benchmarks.acceptance [--pp 4] [--prompts 16] [--new-tokens 64] [--json runs/acceptance.json]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).
 """

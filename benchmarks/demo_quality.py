@@ -2,7 +2,7 @@
 
 Prints the greedy MTP acceptance at draft position 0 and writes JSON:
 
-    python benchmarks/demo_quality.py [--prompts 32] [--new-tokens 64] [--json runs/demo_quality.json]
+    python -m benchmarks.demo_quality [--prompts 32] [--new-tokens 64] [--json runs/demo_quality.json]
 """
 
 from __future__ import annotations
