@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from specdoctor.checks.behaviour import load_battery, run_battery
+from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH, load_battery, run_battery
 from specdoctor.checks.preflight import preflight
 from specdoctor.errors import SpecdoctorError
 from specdoctor.report import Finding, Report, StageResult
@@ -30,7 +30,7 @@ class CheckOptions:
     fill: str = "empty"
     repair: bool = False
     battery: Path | None = None
-    min_acceptance_length: float = 1.4
+    min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
     max_tokens: int = 32
     tp_size: int = 1
     tp_rank: int = 0

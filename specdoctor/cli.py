@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.errors import SpecdoctorError
 
 app = typer.Typer(
@@ -32,6 +33,11 @@ FillOption = Annotated[str, typer.Option(help="What unloaded drafter memory hold
 DeviceOption = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL).")]
 DtypeOption = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
 TimeoutOption = Annotated[float, typer.Option(help="Seconds a rank waits on a peer before failing.")]
+# The report-producing commands (check, probe) share these.
+BatteryOption = Annotated[Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: built-in 9).')]
+MinLengthOption = Annotated[float, typer.Option(help="Fail below this mean acceptance length.")]
+JsonReportOption = Annotated[str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")]
+JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")]
 
 
 @app.callback()
@@ -122,20 +128,16 @@ def _check(
     repair: Annotated[
         bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")
     ] = False,
-    battery: Annotated[
-        Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: built-in 9).')
-    ] = None,
-    min_acceptance_length: Annotated[float, typer.Option(help="Fail below this mean acceptance length.")] = 1.4,
+    battery: BatteryOption = None,
+    min_acceptance_length: MinLengthOption = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per battery prompt.")] = 32,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size whose vocab shard the repair checks.")] = 1,
     tp_rank: Annotated[int, typer.Option(help="Tensor-parallel rank whose vocab shard the repair checks.")] = 0,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     timeout: TimeoutOption = 60.0,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")
-    ] = None,
-    junit_xml: Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")] = None,
+    json_out: JsonReportOption = None,
+    junit_xml: JunitOption = None,
 ) -> None:
     from specdoctor.check_command import CheckOptions, run_check
 
@@ -194,8 +196,8 @@ def repair_command(
     pp: Annotated[int, typer.Option("--pp")] = 1,
     pp_partition: PartitionOption = None,
     num_speculative_tokens: Annotated[int, typer.Option()] = 3,
-    json_out: Annotated[str | None, typer.Option("--json")] = None,
-    junit_xml: Annotated[Path | None, typer.Option()] = None,
+    json_out: JsonReportOption = None,
+    junit_xml: JunitOption = None,
 ) -> None:
     """Same as `specdoctor check --repair` with the default engine-legacy loading."""
     _check(model, pp, pp_partition, num_speculative_tokens, repair=True, json_out=json_out, junit_xml=junit_xml)
@@ -248,17 +250,13 @@ def probe(
     url: Annotated[str, typer.Option("--url", help="Base URL of the deployment, e.g. http://127.0.0.1:8000")],
     api_key: Annotated[str | None, typer.Option(help="Bearer token for the server.")] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model to probe (default: the first served).")] = None,
-    battery: Annotated[
-        Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: built-in 9).')
-    ] = None,
-    min_acceptance_length: Annotated[float, typer.Option(help="Fail below this mean acceptance length.")] = 1.4,
+    battery: BatteryOption = None,
+    min_acceptance_length: MinLengthOption = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     max_tokens: Annotated[int, typer.Option(help="Tokens per battery prompt.")] = 32,
     request_timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
     timeout: Annotated[float, typer.Option(help="Seconds for the whole probe.")] = 600.0,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")
-    ] = None,
-    junit_xml: Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")] = None,
+    json_out: JsonReportOption = None,
+    junit_xml: JunitOption = None,
 ) -> None:
     """Check a live deployment's speculative decoding over HTTP; exit 0 healthy, 1 findings, 2 unusable input."""
     from specdoctor.probe_command import ProbeOptions, run_probe

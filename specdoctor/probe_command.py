@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from specdoctor import prometheus
-from specdoctor.checks.behaviour import load_battery
+from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH, load_battery
 from specdoctor.errors import SpecdoctorError
 from specdoctor.report import Finding, Report, StageResult
 from specdoctor.runtime.metrics import SpecMetrics
@@ -30,7 +30,7 @@ class ProbeOptions:
     api_key: str | None = None
     model: str | None = None
     battery: Path | None = None
-    min_acceptance_length: float = 1.4
+    min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
     max_tokens: int = 32
     request_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
