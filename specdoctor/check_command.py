@@ -72,7 +72,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> Report:
     clock = StageClock(report.timings)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         task = progress.add_task(f"starting {options.pp} pipeline rank(s)", total=steps)
-        with Engine.from_options(options) as engine:
+        with Engine.from_options(options, checkpoint) as engine:
             clock.lap("start_ranks")
             progress.update(task, advance=1, description=f"battery: target only ({len(prompts)} prompts)")
             plain = engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens

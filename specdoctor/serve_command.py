@@ -69,7 +69,9 @@ def run_serve(options: ServeOptions) -> None:
     placements(checkpoint.config, options.pp, options.pp_partition)  # bad flags fail before anything starts
     codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
     check_port_free(options.host, options.port)
-    engine = Engine.from_options(options, num_speculative_tokens=options.num_speculative_tokens, show_progress=True)
+    engine = Engine.from_options(
+        options, checkpoint, num_speculative_tokens=options.num_speculative_tokens, show_progress=True
+    )
     try:
         errors = startup_check(engine, checkpoint, options, console)
         for finding in errors:

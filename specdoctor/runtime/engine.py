@@ -34,7 +34,7 @@ def free_port() -> int:
 class Engine:
     def __init__(
         self,
-        model: str,
+        model: str | Checkpoint,  # a path, "demo", or a checkpoint the caller already opened
         pp: int = 1,
         pp_partition: str | None = None,
         num_speculative_tokens: int = 0,
@@ -47,7 +47,7 @@ class Engine:
         show_progress: bool = False,
     ):
         # Validate in this process first, so bad input fails before any rank starts.
-        self.checkpoint = Checkpoint(model)
+        self.checkpoint = model if isinstance(model, Checkpoint) else Checkpoint(model)
         self.config = self.checkpoint.config
         self.placements = placements(self.config, pp, pp_partition)
         self.num_speculative_tokens = num_speculative_tokens
@@ -79,9 +79,11 @@ class Engine:
     OPTION_FIELDS = ("pp", "pp_partition", "drafter_policy", "head_policy", "fill", "device", "dtype", "timeout_s")
 
     @classmethod
-    def from_options(cls, options, **extra) -> "Engine":
-        """An engine configured by any command's options object (same field names as this constructor)."""
-        return cls(options.model, **{name: getattr(options, name) for name in cls.OPTION_FIELDS}, **extra)
+    def from_options(cls, options, checkpoint: Checkpoint | None = None, **extra) -> "Engine":
+        """An engine configured by any command's options object (same field names as this constructor);
+        pass the checkpoint when the caller has already opened it, so its headers are not scanned twice."""
+        model = checkpoint or options.model
+        return cls(model, **{name: getattr(options, name) for name in cls.OPTION_FIELDS}, **extra)
 
     @property
     def rank_pids(self) -> list[int]:
