@@ -267,6 +267,55 @@ def probe(
     _emit(report, json_out, junit_xml)
 
 
+@app.command()
+def bench(
+    model: ModelOption,
+    pp: Annotated[list[int] | None, typer.Option("--pp", help="Pipeline sizes to compare (repeat; default 1).")] = None,
+    num_speculative_tokens: Annotated[
+        list[int] | None, typer.Option(help="k values to compare with plain decoding (repeat; default 1-5).")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together (1 = latency).")] = 1,
+    battery: BatteryOption = None,
+    drafter_policy: PolicyOption = "fixed",
+    head_policy: HeadPolicyOption = "fixed",
+    fill: FillOption = "empty",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    timeout: TimeoutOption = 60.0,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write the JSON results to FILE, or - for stdout.")
+    ] = None,
+) -> None:
+    """Measure speculative against plain decoding: tokens/s, acceptance and each step's time split; exit 1 if
+    speculative output ever differs from plain output."""
+    from specdoctor.bench_command import BenchOptions, bench_table, run_bench
+
+    options = BenchOptions(
+        model,
+        pp or [1],
+        num_speculative_tokens or [1, 2, 3, 4, 5],
+        max_tokens,
+        batch_size,
+        battery,
+        drafter_policy,
+        head_policy,
+        fill,
+        device,
+        dtype,
+        timeout,
+    )
+    report = run_bench(options, show_progress=json_out != "-")
+    text = json.dumps(report, indent=2) + "\n"
+    if json_out == "-":
+        sys.stdout.write(text)
+    else:
+        Console().print(bench_table(report))
+        if json_out:
+            _write(Path(json_out), text)
+    raise typer.Exit(0 if all(row["lossless"] for row in report["rows"]) else 1)
+
+
 def main() -> None:
     try:
         app()

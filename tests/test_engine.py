@@ -185,3 +185,36 @@ def test_joins_a_group_launched_by_torchrun(hf_checkpoint, tmp_path):
     report = json.loads(result.stdout)
     assert report["outputs"][0]["tokens"] == reference(hf_checkpoint[0], [PROMPTS[0]])[0][0]
     assert report["metrics"]["num_drafts"] > 0
+
+
+def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
+    """Every rank stopped: no peer timeout can fire, so the controller's own deadline names them."""
+    engine = Engine(str(hf_checkpoint[0]), pp=2, timeout_s=2)
+    try:
+        for pid in engine.rank_pids:
+            os.kill(pid, signal.SIGSTOP)
+        start = time.time()
+        with pytest.raises(PipelineError, match=r"rank 0 \(pid \d+\), rank 1 \(pid \d+\) stopped"):
+            engine.generate(PROMPTS, 8)
+        assert engine.silence_limit_s < time.time() - start < engine.silence_limit_s + 5
+    finally:
+        for pid in engine.rank_pids:
+            os.kill(pid, signal.SIGCONT)
+        engine.close()
+
+
+def test_the_first_rank_beats_once_a_second_unless_streaming():
+    from specdoctor.runtime.decode import GenerateResult
+    from specdoctor.runtime.worker import StepReporter
+
+    sent = []
+    result = GenerateResult([[1, 2]], [""])
+    quiet, streaming = StepReporter(lambda *m: sent.append(m), False), StepReporter(lambda *m: sent.append(m), True)
+    for _ in range(3):
+        quiet(result)
+    assert sent == []  # steps within the first second: nothing to say
+    quiet.last_beat -= 1.0
+    quiet(result)
+    assert sent == [("alive", None)]
+    streaming(result)
+    assert sent[-1] == ("partial", [[1, 2]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
 from datetime import timedelta
 
 import torch
@@ -22,17 +23,21 @@ class PipelineComm:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.seconds = 0.0  # time spent moving data or waiting for a peer, for the step profile
         if world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
     @contextlib.contextmanager
     def _talking_to(self, peer: int, what: str):
+        start = time.perf_counter()
         try:
             yield
         except Exception as err:  # gloo and NCCL raise several types; the peer is what matters
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PipelineError(f"rank {self.rank}: {what} rank {peer} failed ({detail[:200]})") from None
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def send_next(self, tensor: torch.Tensor) -> None:
         with self._talking_to(self.rank + 1, "sending hidden states to"):
@@ -61,6 +66,18 @@ class PipelineComm:
         if self.world_size > 1:
             self._fan_out(self.world_size - 1, tensor, "the step decision")
         return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `tensor` stacked [world_size, ...] on the first rank; None on the others."""
+        if self.rank != 0:
+            with self._talking_to(0, "sending step timings to"):
+                dist.send(tensor.contiguous(), 0)
+            return None
+        gathered = [tensor] + [torch.empty_like(tensor) for _ in range(1, self.world_size)]
+        for peer in range(1, self.world_size):
+            with self._talking_to(peer, "receiving step timings from"):
+                dist.recv(gathered[peer], peer)
+        return torch.stack(gathered)
 
     def broadcast_command(self, command: object = None) -> object:
         """The first rank's command object, on every rank."""

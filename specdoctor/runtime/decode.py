@@ -8,6 +8,7 @@ were accepted, so positions and KV caches stay in sync on all of them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()
     num_speculative_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    stream: bool = False  # report the tokens so far after every step (costs a message per step)
 
     def limits(self) -> list[int]:
         if isinstance(self.max_new_tokens, int):
@@ -47,6 +49,13 @@ class GenerateResult:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
     row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
+    rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
+
+
+# Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
+# (plus head and acceptance on the last rank), the drafter, inter-rank transfers (waiting for a
+# peer included), and the host bookkeeping that appends tokens.
+STEP_PHASES = ("prefill_s", "decode_s", "target_s", "draft_s", "transfer_s", "host_s", "steps")
 
 
 @dataclass
@@ -67,6 +76,7 @@ class Drafts:
         self.cache = new_cache(model.stage, batch, max_len, model.stage.config.mtp_layer_ids)
         self.tokens = torch.zeros(batch, 0, dtype=torch.long, device=next(model.stage.parameters()).device)
         self.probs: torch.Tensor | None = None
+        self.seconds = 0.0  # time spent proposing, for the step profile
 
     def propose(
         self,
@@ -76,6 +86,7 @@ class Drafts:
         base: torch.Tensor,  # [B] index of the last accepted position: the chain starts there
     ) -> None:
         """Run MTP step 0 over every new position (filling its KV cache), then chain k-1 more steps."""
+        start = time.perf_counter()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         out, logits = self.drafter(next_tokens, hidden, positions, step=0, cache=self.cache)
         out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
@@ -90,6 +101,8 @@ class Drafts:
                 logits = step_logits[:, 0]
         self.tokens = torch.stack(tokens, dim=1)
         self.probs = None if self.sampling.greedy else torch.stack(probs, dim=1)
+        _finish_device_work(self.tokens.device)
+        self.seconds += time.perf_counter() - start
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
         if self.sampling.greedy:
@@ -143,6 +156,12 @@ def speculative_step(
     return torch.cat([accepted[:, None], emitted, new_drafts], dim=1)
 
 
+def _finish_device_work(device: torch.device) -> None:
+    """CUDA runs ahead of the host: wait for it, so each phase's time is its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | None:
     """Target logits at every prompt position, [B, Lmax, V] on the last rank (rows past a prompt's end are padding)."""
@@ -189,6 +208,8 @@ def generate(model: RankModel, request: GenerateRequest, on_step=None) -> Genera
             drafts = Drafts(model, batch, max_len, k, sampling, generator)
     result = GenerateResult([[] for _ in range(batch)], [""] * batch, row_metrics=[SpecMetrics() for _ in range(batch)])
     decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=device)
+    times = dict.fromkeys(STEP_PHASES, 0.0)
+    started = time.perf_counter()
 
     # Prefill: the prompt through every rank; the last rank picks the first token and the first drafts.
     positions = torch.arange(ids.shape[1], device=device).expand(batch, -1)
@@ -211,20 +232,43 @@ def generate(model: RankModel, request: GenerateRequest, on_step=None) -> Genera
     active = _commit(result, decision, k, request, count_metrics=False)
     if on_step:
         on_step(result)
+    times["prefill_s"] = time.perf_counter() - started
+    transfer_before, draft_before = model.comm.seconds, drafts.seconds if drafts else 0.0
 
     while any(active):
+        step_start = time.perf_counter()
         pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
         positions = filled[:, None] + torch.arange(k + 1, device=device)
         hidden = pipeline_pass(model, pending_and_drafts, positions, cache)
         if model.placement.is_last:
             decision = speculative_step(model, drafts, hidden, positions, sampling, generator)
         model.comm.broadcast_from_last(decision)
+        _finish_device_work(device)
+        computed = time.perf_counter()
         active = _commit(result, decision, k, request, count_metrics=True, active=active)
         # Finished rows stay in the batch but stop advancing, so they never outgrow the KV cache.
         filled = torch.where(torch.tensor(active, device=device), filled + decision[:, 0] + 1, filled)
         if on_step:
             on_step(result)
+        times["target_s"] += computed - step_start
+        times["host_s"] += time.perf_counter() - computed
+        times["steps"] += 1
+    times["decode_s"] = time.perf_counter() - started - times["prefill_s"]
+    times["transfer_s"] = model.comm.seconds - transfer_before
+    times["draft_s"] = drafts.seconds - draft_before if drafts else 0.0
+    times["target_s"] -= times["transfer_s"] + times["draft_s"]  # the step's compute, less what is accounted apart
+    result.rank_times = _gather_times(model.comm, times)
     return result
+
+
+def _gather_times(comm: PipelineComm, times: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's phase times, on the first rank (which reports the result); [] on the others."""
+    gathered = comm.gather_to_first(
+        torch.tensor([times[name] for name in STEP_PHASES], dtype=torch.float64, device=comm.device)
+    )
+    if gathered is None:
+        return []
+    return [dict(zip(STEP_PHASES, row, strict=True)) for row in gathered.tolist()]
 
 
 def _commit(result, decision, k, request, count_metrics, active=None) -> list[bool]:

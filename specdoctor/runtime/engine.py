@@ -7,9 +7,9 @@ with Engine("demo", pp=4, num_speculative_tokens=3, drafter_policy="engine-legac
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import socket
 import time
+from multiprocessing.connection import wait as wait_for_any
 
 import torch
 from rich.console import Console
@@ -29,6 +29,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state Linux reports for a process ('T' when stopped), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class Engine:
@@ -54,22 +63,31 @@ class Engine:
         policy = DrafterPolicy(embedding=drafter_policy, head=head_policy, fill=fill)
         self.spec = EngineSpec(str(self.checkpoint.path), pp, pp_partition, policy, dtype, device, timeout_s)
         self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids)
+        # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'
+        # timeouts; the controller's own deadline covers a whole pipeline that falls silent.
+        self.silence_limit_s = 2 * timeout_s + 5
         context = mp.get_context("spawn")
-        self._inbox, self._outbox = context.Queue(), context.Queue()
+        self._inbox = context.Queue()
+        # One reply pipe per rank: a shared queue has a cross-process lock, and a rank stopped while
+        # holding it would block every other rank's replies, error reports included.
+        pipes = [context.Pipe(duplex=False) for _ in range(pp)]
+        self._replies = [reader for reader, _ in pipes]
         port = free_port()
         self._processes = [
             context.Process(
                 target=rank_main,
-                args=(self.spec, rank, pp, port, self._inbox if rank == 0 else None, self._outbox),
+                args=(self.spec, rank, pp, port, self._inbox if rank == 0 else None, writer),
                 name=f"specdoctor-rank-{rank}",
                 daemon=True,
             )
-            for rank in range(pp)
+            for rank, (_, writer) in enumerate(pipes)
         ]
         self._closed = False
         self.rank_info: list[dict] = [{} for _ in range(pp)]
         for process in self._processes:
             process.start()
+        for _, writer in pipes:
+            writer.close()  # only the rank holds its write end now, so its exit reads as end-of-file
         try:
             self._wait_until_ready(show_progress)
         except BaseException:
@@ -97,7 +115,8 @@ class Engine:
         with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
             task = progress.add_task(f"starting {len(self._processes)} pipeline rank(s)", total=len(self._processes))
             for _ in self._processes:
-                _, rank, info = self._wait_for("ready")
+                # Loading has no deadline (a large checkpoint can take minutes); a dead rank still ends the wait.
+                _, rank, info = self._wait_for("ready", None)
                 self.rank_info[rank] = info
                 progress.advance(task)
 
@@ -113,10 +132,12 @@ class Engine:
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        request = GenerateRequest(prompts, max_new_tokens, sampling, k, self.eos_token_ids)
+        request = GenerateRequest(
+            prompts, max_new_tokens, sampling, k, self.eos_token_ids, stream=on_tokens is not None
+        )
         check_request(request, self.config)
         self._inbox.put(("generate", request))
-        return self._wait_for("result", on_partial=on_tokens)[2]
+        return self._wait_for("result", self.silence_limit_s, on_partial=on_tokens)[2]
 
     @property
     def alive(self) -> bool:
@@ -127,22 +148,36 @@ class Engine:
         if self._closed:
             raise PipelineError("the engine is closed")
         self._inbox.put(("score", prompts))
-        return self._wait_for("logits")[2]
+        return self._wait_for("logits", self.silence_limit_s)[2]
 
     def drafter_command(self, kind: str, **payload) -> dict:
         """Ask the drafter's rank to inspect ('inspect_drafter') or repair ('repair_drafter') the live drafter."""
         if self._closed:
             raise PipelineError("the engine is closed")
         self._inbox.put((kind, payload))
-        return self._wait_for(kind)[2]
+        return self._wait_for(kind, self.silence_limit_s)[2]
 
-    def _wait_for(self, wanted: str, on_partial=None) -> tuple:
-        while True:
+    def _next_reply(self, timeout: float) -> tuple | None:
+        """The next (kind, rank, payload) any rank sent, or None when none came within `timeout`."""
+        for reply in wait_for_any(self._replies, timeout):
             try:
-                kind, rank, payload = self._outbox.get(timeout=0.2)
-            except queue.Empty:
+                return reply.recv()
+            except EOFError:  # the rank exited; its exit code says how
+                self._replies.remove(reply)
+        return None
+
+    def _wait_for(self, wanted: str, silence_limit_s: float | None, on_partial=None) -> tuple:
+        last_heard = time.monotonic()
+        while True:
+            message = self._next_reply(timeout=0.2)
+            if message is None:
                 self._raise_if_a_rank_died()
+                silent_for = time.monotonic() - last_heard
+                if silence_limit_s is not None and silent_for > silence_limit_s:
+                    self._raise_silent_pipeline(silent_for)
                 continue
+            last_heard = time.monotonic()
+            kind, rank, payload = message
             if kind == "error":
                 time.sleep(0.5)  # let a peer's death become visible, so the root cause is named
                 self._raise_if_a_rank_died(reported=payload)
@@ -168,19 +203,29 @@ class Engine:
         raise PipelineError(f"pipeline rank {rank} (pid {self._processes[rank].pid}) {how}")
 
     def _first_reported_error(self) -> str | None:
-        try:
-            while True:
-                kind, _rank, payload = self._outbox.get(timeout=0.5)
-                if kind == "error":
-                    return payload
-        except queue.Empty:
-            return None
+        while (message := self._next_reply(timeout=0.5)) is not None:
+            kind, _rank, payload = message
+            if kind == "error":
+                return payload
+        return None
+
+    def _raise_silent_pipeline(self, silent_for: float) -> None:
+        self._closed = True
+        stopped = [rank for rank, process in enumerate(self._processes) if process_state(process.pid) in ("T", "t")]
+        if stopped:
+            who = ", ".join(f"rank {rank} (pid {self._processes[rank].pid})" for rank in stopped)
+            raise PipelineError(f"pipeline {who} stopped (SIGSTOP or a debugger): no reply for {silent_for:.0f} s")
+        pids = ", ".join(str(pid) for pid in self.rank_pids)
+        raise PipelineError(f"no reply from the pipeline for {silent_for:.0f} s; its ranks (pids {pids}) are alive")
 
     def close(self) -> None:
-        if all(p.exitcode is None for p in self._processes) and not self._closed:
+        healthy = not self._closed and all(p.exitcode is None for p in self._processes)
+        if healthy:
             self._inbox.put(("shutdown", None))
         self._closed = True
-        deadline = time.time() + 10
+        self._inbox.cancel_join_thread()  # a dead first rank never reads; do not block this process's exit
+        # A failed pipeline holds nothing worth a clean exit: its ranks are stopped at once.
+        deadline = time.time() + (10 if healthy else 0)
         for process in self._processes:
             process.join(timeout=max(0.1, deadline - time.time()))
         for process in self._processes:

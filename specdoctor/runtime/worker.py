@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,21 @@ def load_rank(spec: EngineSpec, rank: int, world_size: int) -> tuple[RankModel, 
     return RankModel(placement, stage, drafter, comm, checkpoint, provenance), info
 
 
+class StepReporter:
+    """The first rank's per-step callback: the tokens so far when streaming, else a beat at most once a
+    second, so the controller's silence deadline catches stalls but not long generations."""
+
+    def __init__(self, reply: Callable[[str, object], None], stream: bool):
+        self.reply, self.stream, self.last_beat = reply, stream, time.monotonic()
+
+    def __call__(self, result) -> None:
+        if self.stream:
+            self.reply("partial", result.tokens)
+        elif time.monotonic() - self.last_beat >= 1.0:
+            self.reply("alive", None)
+            self.last_beat = time.monotonic()
+
+
 def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Callable[[str, object], None]) -> None:
     """Run broadcast commands until 'shutdown'. Only the first rank has `next_command`."""
     while True:
@@ -85,8 +101,7 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
             return
         if kind == "generate":
             first = model.placement.is_first
-            tokens_so_far = (lambda result: reply("partial", result.tokens)) if first else None
-            result = generate(model, payload, on_step=tokens_so_far)
+            result = generate(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
             if first:
                 reply("result", result)
         elif kind == "score":
@@ -97,8 +112,8 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
             reply(kind, DRAFTER_COMMANDS[kind](model, **payload))
 
 
-def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, outbox) -> None:
-    """Entry point of a rank process started by `Engine`."""
+def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, replies) -> None:
+    """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -116,13 +131,13 @@ def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, ou
 
     try:
         model, info = load_rank(spec, rank, world_size)
-        outbox.put(("ready", rank, info))
-        serve(model, next_command if rank == 0 else None, lambda kind, payload: outbox.put((kind, rank, payload)))
+        replies.send(("ready", rank, info))
+        serve(model, next_command if rank == 0 else None, lambda kind, payload: replies.send((kind, rank, payload)))
     except SpecdoctorError as err:
-        outbox.put(("error", rank, str(err)))
+        replies.send(("error", rank, str(err)))
         raise SystemExit(1) from None
     except Exception as err:  # an unexpected failure: keep the traceback for whoever reads the logs
-        outbox.put(("error", rank, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        replies.send(("error", rank, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise SystemExit(1) from None
     finally:
         if model is not None:

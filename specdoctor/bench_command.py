@@ -1,0 +1,168 @@
+"""`specdoctor bench`: speculative against plain decoding in the pipeline runtime, with the time split per step.
+
+Every configuration decodes the same prompts (the battery) to the same length; speculative output is
+compared with plain output, so a speed-up that changes the text is reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from specdoctor.checks.behaviour import load_battery
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.decode import STEP_PHASES
+from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.tokenizer import TextCodec
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str
+    pp_sizes: list[int]
+    speculative_tokens: list[int]  # k values to compare with plain decoding (k = 0, always measured)
+    max_tokens: int
+    batch_size: int
+    battery: Path | None
+    drafter_policy: str
+    head_policy: str
+    fill: str
+    device: str
+    dtype: str
+    timeout_s: float
+
+
+@dataclass
+class Measurement:
+    tokens: list[list[int]]
+    seconds: float
+    metrics: SpecMetrics
+    rank_times: list[dict[str, float]]  # summed over the batches
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(map(len, self.tokens)) / self.seconds
+
+
+def measure(engine: Engine, prompts: list[list[int]], k: int, options: BenchOptions, advance) -> Measurement:
+    result = Measurement([], 0.0, SpecMetrics(), [])
+    for start in range(0, len(prompts), options.batch_size):
+        began = time.perf_counter()
+        out = engine.generate(prompts[start : start + options.batch_size], options.max_tokens, num_speculative_tokens=k)
+        result.seconds += time.perf_counter() - began
+        result.tokens += out.tokens
+        result.metrics.add(out.metrics)
+        result.rank_times = [
+            {name: mine.get(name, 0.0) + theirs[name] for name in STEP_PHASES}
+            for mine, theirs in zip(result.rank_times or [{}] * len(out.rank_times), out.rank_times, strict=True)
+        ]
+        advance()
+    return result
+
+
+def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
+    speedup = run.tokens_per_s / plain.tokens_per_s
+    length = run.metrics.mean_acceptance_length if k else 1.0
+    last = run.rank_times[-1]  # the last rank does all three kinds of work: target layers, drafting, waiting
+    steps = max(1.0, last["steps"])
+    return {
+        "pp": pp,
+        "k": k,
+        "tokens": sum(map(len, run.tokens)),
+        "seconds": run.seconds,
+        "tokens_per_s": run.tokens_per_s,
+        "speedup": speedup,
+        "mean_acceptance_length": length,
+        "acceptance_rate": run.metrics.acceptance_rate,
+        "speedup_per_acceptance_length": speedup / length,
+        "lossless": run.tokens == plain.tokens,
+        "steps": int(steps),
+        "step_ms": 1000 * last["decode_s"] / steps,
+        "last_rank_ms_per_step": {
+            phase: 1000 * last[f"{phase}_s"] / steps for phase in ("target", "draft", "transfer", "host")
+        },
+        "rank_times": run.rank_times,
+    }
+
+
+def run_bench(options: BenchOptions, show_progress: bool) -> dict:
+    if options.batch_size < 1 or options.max_tokens < 1:
+        raise SpecdoctorError("--batch-size and --max-tokens must be at least 1")
+    checkpoint = Checkpoint(options.model)
+    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    prompts = [codec.encode(entry["prompt"]) for entry in load_battery(options.battery)]
+    ks = sorted(set(options.speculative_tokens) - {0})
+    batches = -(-len(prompts) // options.batch_size)
+    rows = []
+    with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(options.pp_sizes) * (len(ks) + 1) * batches)
+        for pp in options.pp_sizes:
+            with Engine(
+                checkpoint,
+                pp=pp,
+                num_speculative_tokens=0,
+                drafter_policy=options.drafter_policy,
+                head_policy=options.head_policy,
+                fill=options.fill,
+                device=options.device,
+                dtype=options.dtype,
+                timeout_s=options.timeout_s,
+                show_progress=show_progress,
+            ) as engine:
+                # One short run first: the first call pays one-off allocations and lazy imports.
+                engine.generate(prompts[:1], 4, num_speculative_tokens=max(ks, default=0))
+                plain = measure(engine, prompts, 0, options, lambda: progress.advance(task))
+                rows.append(bench_row(pp, 0, plain, plain))
+                for k in ks:
+                    rows.append(
+                        bench_row(pp, k, measure(engine, prompts, k, options, lambda: progress.advance(task)), plain)
+                    )
+    return {
+        "schema": "specdoctor.bench/1",
+        "model": str(checkpoint.path),
+        "prompts": len(prompts),
+        "settings": {
+            "max_tokens": options.max_tokens,
+            "batch_size": options.batch_size,
+            "drafter_policy": options.drafter_policy,
+            "device": options.device,
+            "dtype": options.dtype,
+            "greedy": True,
+        },
+        "rows": rows,
+    }
+
+
+def bench_table(report: dict) -> Table:
+    settings = report["settings"]
+    table = Table(
+        title=f"{report['prompts']} prompts x {settings['max_tokens']} tokens, batch {settings['batch_size']}, greedy"
+    )
+    columns = ["PP", "k", "tok/s", "speed-up", "accept len", "speed-up / len", "ms/step"]
+    columns += ["target", "draft", "transfer", "host", "lossless"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["rows"]:
+        split = row["last_rank_ms_per_step"]
+        table.add_row(
+            str(row["pp"]),
+            str(row["k"]),
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['mean_acceptance_length']:.2f}",
+            f"{row['speedup_per_acceptance_length']:.2f}",
+            f"{row['step_ms']:.2f}",
+            *(f"{split[phase]:.2f}" for phase in ("target", "draft", "transfer", "host")),
+            "yes" if row["lossless"] else "NO",
+        )
+    table.caption = (
+        "target/draft/transfer/host: ms per decode step on the last rank (transfer includes waiting for peers)"
+    )
+    return table

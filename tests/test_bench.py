@@ -1,0 +1,45 @@
+"""`specdoctor bench` run as a real process on the demo model, and the step profile it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_cli import specdoctor
+
+
+@pytest.fixture(scope="module")
+def two_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "battery.jsonl"
+    prompts = ["def read_config(path):\n", "The quick brown fox jumps over the lazy dog. The dog"]
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def test_bench_compares_speculative_with_plain_decoding_per_pipeline_size(two_prompts, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "demo", "--pp", "1", "--pp", "2", "--num-speculative-tokens", "2"]
+    result = specdoctor(*args, "--max-tokens", "12", "--battery", str(two_prompts), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "speed-up" in result.stdout and "lossless" in result.stdout
+    report = json.loads(out.read_text())
+    assert [(row["pp"], row["k"]) for row in report["rows"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    for row in report["rows"]:
+        assert row["lossless"] and row["tokens"] == 24 and row["tokens_per_s"] > 0
+        assert len(row["rank_times"]) == row["pp"]
+        split = row["last_rank_ms_per_step"]
+        # The split accounts for the whole step: the phases add up to the step time.
+        assert sum(split.values()) == pytest.approx(row["step_ms"], rel=0.05, abs=0.05)
+        assert (split["draft"] > 0) == (row["k"] > 0)
+        assert (split["transfer"] > 0) == (row["pp"] > 1)
+    plain, speculative = report["rows"][2], report["rows"][3]
+    assert plain["mean_acceptance_length"] == 1.0 and speculative["mean_acceptance_length"] > 1.4
+    assert speculative["steps"] < plain["steps"]  # accepted drafts mean fewer steps for the same tokens
+    assert speculative["speedup"] == pytest.approx(speculative["tokens_per_s"] / plain["tokens_per_s"])
+
+
+def test_bench_rejects_a_zero_batch_size():
+    result = specdoctor("bench", "--model", "demo", "--batch-size", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--batch-size" in result.stderr
