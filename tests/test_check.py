@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from specdoctor.check_command import CheckOptions, run_check
+from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from tests.test_cli import rename_key
 from tests.test_engine import make_agreeing_checkpoint
@@ -157,7 +158,9 @@ def test_cli_repair_prints_before_after_and_exits_0(tmp_path):
     assert "Before / after" in result.stdout and "healthy after repair" in result.stdout
     comparison = json.loads(out.read_text())["comparison"]
     assert [row["stage"] for row in comparison] == ["before", "after"]
-    assert comparison[0]["mean_acceptance_length"] < 1.1 < 2.0 <= comparison[1]["mean_acceptance_length"]
+    # Uninitialised memory may hold another weight's bytes (acceptance up to ~1.15): still under the gate.
+    before, after = (row["mean_acceptance_length"] for row in comparison)
+    assert before < DEFAULT_MIN_ACCEPTANCE_LENGTH < 2.0 <= after
 
 
 def test_repair_never_writes_to_the_checkpoint(tmp_path):

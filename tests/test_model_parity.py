@@ -26,7 +26,10 @@ def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
     assert len({t.shard for t in checkpoint.tensors.values()}) >= 3
 
 
-def test_logits_match_transformers_at_every_position(hf_checkpoint):
+@pytest.mark.parametrize("expert_path", ["gathered", "looped"])
+def test_logits_match_transformers_at_every_position(hf_checkpoint, monkeypatch, expert_path):
+    """Both ways of running the routed experts: one batched matmul over gathered weights, or a loop."""
+    monkeypatch.setattr("specdoctor.runtime.layers.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0)
     path, reference = hf_checkpoint
     stage = full_stage(path)
     ids = torch.randint(0, reference.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(1))
@@ -76,3 +79,15 @@ def test_config_variants_match_transformers(tmp_path, overrides):
         expected = reference(ids).logits
         ours = stage.logits(stage(ids, torch.arange(17).expand(2, -1)))
     assert relative_error(ours, expected) < 1e-4
+
+
+def test_experts_share_one_storage_that_survives_moving_the_module(hf_checkpoint):
+    """Each expert's parameters are views of the layer's stacked tensors, also after `.to()`."""
+    stage = full_stage(hf_checkpoint[0]).to(torch.float64)
+    moe = next(layer.mlp for layer in stage.model.layers.values() if hasattr(layer.mlp, "experts"))
+    expert = moe.experts[1]
+    assert expert.gate_proj.weight.data_ptr() == moe.gate_up[1].data_ptr()
+    assert torch.equal(moe.down[1], expert.down_proj.weight)
+    with torch.no_grad():
+        expert.up_proj.weight.fill_(0.5)  # what loading a checkpoint tensor does: copy into the part
+    assert bool((moe.gate_up[1, expert.gate_proj.weight.shape[0] :] == 0.5).all())

@@ -8,6 +8,7 @@ outputs are [B, max_k + 1], padded with PLACEHOLDER.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 PLACEHOLDER = -1
 STAT_FIELDS = ("nan", "posinf", "neginf", "zeros", "sum", "sumsq", "min", "max", "absmax")
@@ -116,10 +117,7 @@ def rejection_random(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as GLM and DeepSeek compute it: normalise in fp32, cast back, then scale."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def mtp_input(

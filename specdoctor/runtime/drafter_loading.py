@@ -84,6 +84,8 @@ def read_vocab_shard(checkpoint: Checkpoint, key: str, tp_size: int, tp_rank: in
     vocab, hidden = checkpoint.tensors[key].shape
     start, end = vocab_shard_range(vocab, tp_size, tp_rank)
     real = checkpoint.read(key, rows=(min(start, vocab), min(end, vocab)))
+    if real.shape[0] == end - start:
+        return real  # no padding rows: the read is the shard, with no second copy of a large table
     shard = torch.zeros(end - start, hidden, dtype=real.dtype)
     shard[: real.shape[0]] = real
     return shard

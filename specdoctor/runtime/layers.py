@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,17 +30,28 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+@functools.lru_cache(maxsize=8)
+def rotary_table(
+    dim: int, theta: float, length: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position up to `length`, [length, dim] each: computed once, then indexed
+    (building them per forward costs more than the attention itself on a small model)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    freqs = torch.arange(length, device=device).float()[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rotary_cos_sin(
     config: ModelConfig,
     positions: torch.Tensor,
     dtype: torch.dtype,  # positions: [B, T]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for the rotary part of each head, [B, T, rotary_dim] each (neox layout)."""
-    dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
-    freqs = positions[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    # Draft chains may run up to 2k (k <= 8) positions past the context; the slack covers them.
+    length = config.max_position_embeddings + 32
+    cos, sin = rotary_table(config.rotary_dim, config.rope_theta, length, positions.device, dtype)
+    return cos[positions], sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,7 +64,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * cos + rotated_half * sin, x_pass), dim=-1)
 
 
-class Attention(nn.Module):
+def concat_weights(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Copy the linears' weights (and biases) into one tensor each and make every part a view of it.
+    The parts keep the checkpoint's names, so loading a part fills the whole, and one matmul
+    replaces several: on a small model each op costs more in overhead than in arithmetic."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if linears[0].bias is not None else None
+    start = 0
+    for linear in linears:
+        end = start + linear.weight.shape[0]
+        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class FusedWeights(nn.Module):
+    """A module whose parts share one storage (see `concat_weights`). Moving or re-allocating it
+    (`.to`, `.to_empty`) gives each parameter new storage, so the parts are joined again after."""
+
+    def fuse(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.fuse()
+        return self
+
+
+class Attention(FusedWeights):
     """Grouped-query attention with partial rotary embedding and optional q/k norm."""
 
     def __init__(self, config: ModelConfig, layer_id: int):
@@ -69,6 +111,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.use_qk_norm = config.use_qk_norm
+        self.fuse()
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = concat_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -78,9 +124,13 @@ class Attention(nn.Module):
         cache: KVCache | None,
     ) -> torch.Tensor:  # [B, T, H]
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            [self.num_heads * self.head_dim, kv_size, kv_size], -1
+        )
+        q = q.view(batch, length, self.num_heads, self.head_dim)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -97,15 +147,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-class MLP(nn.Module):
+class MLP(FusedWeights):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fuse()
+
+    def fuse(self) -> None:
+        self.gate_up = concat_weights([self.gate_proj, self.up_proj])[0]  # [2I, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -134,7 +189,12 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, expert_ids
 
 
-class MoE(nn.Module):
+# Below this many bytes of gathered expert weights a step runs every routed expert in one batched
+# matmul over copies of their weights; above it, a loop over the experts hit reads them in place.
+GATHER_LIMIT_BYTES = 16 << 20
+
+
+class MoE(FusedWeights):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate = Router(config)
@@ -142,18 +202,44 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(config.hidden_size, size) for _ in range(config.n_routed_experts))
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, size * config.n_shared_experts)
+        self.fuse()
+
+    def fuse(self) -> None:
+        experts, (size, hidden) = len(self.experts), self.experts[0].gate_proj.weight.shape
+        parts = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
+        self.gate_up = concat_weights(parts)[0].view(experts, 2 * size, hidden)  # [E, 2I, H]
+        self.down = concat_weights([expert.down_proj for expert in self.experts])[0].view(experts, hidden, size)
+        for index, expert in enumerate(self.experts):
+            expert.gate_up = self.gate_up[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         flat = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.gate(flat)
+        gathered_bytes = expert_ids.numel() * (self.gate_up[0].nbytes + self.down[0].nbytes)
+        if gathered_bytes <= GATHER_LIMIT_BYTES:
+            out = self.gathered_experts(flat, weights, expert_ids)
+        else:
+            out = self.looped_experts(flat, weights, expert_ids)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
+
+    def gathered_experts(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+        tokens, per_token = expert_ids.shape
+        ids = expert_ids.reshape(-1)
+        inputs = flat[:, None, :].expand(tokens, per_token, -1).reshape(tokens * per_token, 1, -1)
+        # index_select copies whole expert matrices; advanced indexing (w[ids]) is several times slower.
+        gate, up = torch.bmm(inputs, self.gate_up.index_select(0, ids).transpose(1, 2)).chunk(2, dim=-1)
+        routed = torch.bmm(F.silu(gate) * up, self.down.index_select(0, ids).transpose(1, 2))  # [N*k, 1, H]
+        return (routed.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
+
+    def looped_experts(self, flat, weights, expert_ids) -> torch.Tensor:
         out = torch.zeros_like(flat)
         for expert in expert_ids.unique().tolist():
             token, slot = torch.where(expert_ids == expert)
             routed = self.experts[expert](flat[token]) * weights[token, slot, None].to(flat.dtype)
             out.index_add_(0, token, routed)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(flat)
-        return out.view_as(x)
+        return out
 
 
 class DecoderLayer(nn.Module):

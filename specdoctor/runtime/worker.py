@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import time
@@ -112,11 +113,24 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
             reply(kind, DRAFTER_COMMANDS[kind](model, **payload))
 
 
+def keep_freed_memory_mapped() -> None:
+    """glibc hands every freed block over 128 KiB back to the kernel and page-faults it in again on
+    the next allocation; a decode step makes such blocks dozens of times (gathered expert weights,
+    logits), so raise that threshold, as jemalloc or tcmalloc would behave. No-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+
+
 def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, replies) -> None:
     """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    keep_freed_memory_mapped()
     model = None
     parent = os.getppid()
 
