@@ -85,6 +85,40 @@ def test_read_one_tensor_and_a_row_slice_moves_only_those_bytes(pristine):
         checkpoint.read(info.key, rows=(300, 400))
 
 
+def test_every_safetensors_dtype_reads_back_exactly_as_safetensors_loads_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        str(dtype): (torch.randn(5, 3, generator=generator) * 50).to(dtype)
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+        + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    }
+    tensors["scalar"], tensors["empty"] = torch.tensor(3.5), torch.zeros(0, 4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(Path(__file__).parent.parent / "specdoctor" / "demo_model" / "config.json", tmp_path)
+    checkpoint, truth = Checkpoint(tmp_path), load_file(str(tmp_path / "model.safetensors"))
+    for key, expected in truth.items():
+        ours = checkpoint.read(key)
+        assert ours.dtype == expected.dtype and ours.shape == expected.shape, key
+        assert torch.equal(ours.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), key
+    assert torch.equal(checkpoint.read("torch.int16", rows=(1, 4)), truth["torch.int16"][1:4])
+    # Into a waiting tensor: bytes straight into it when the dtype matches, else converted.
+    same, wider = torch.empty(5, 3, dtype=torch.bfloat16), torch.empty(5, 3, dtype=torch.float32)
+    assert checkpoint.read("torch.bfloat16", out=same) is same and torch.equal(same, truth["torch.bfloat16"])
+    checkpoint.read("torch.bfloat16", out=wider)
+    assert torch.equal(wider, truth["torch.bfloat16"].float())
+
+
+def test_a_shard_cut_short_after_opening_is_a_clear_error(copy):
+    checkpoint = Checkpoint(copy)
+    info = checkpoint.tensors["model.embed_tokens.weight"]
+    with open(copy / info.shard, "r+b") as handle:
+        handle.truncate(info.offset + 10)
+    with pytest.raises(CheckpointError, match="truncated shard"):
+        checkpoint.read(info.key)
+
+
 def test_first_present_candidate_follows_the_documented_order(copy):
     checkpoint = Checkpoint(copy)
     candidates = embedding_candidates(checkpoint.config)

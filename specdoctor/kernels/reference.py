@@ -117,6 +117,8 @@ def rejection_random(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as GLM and DeepSeek compute it: normalise in fp32, cast back, then scale."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same arithmetic, one op
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 

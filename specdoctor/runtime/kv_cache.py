@@ -25,6 +25,23 @@ class KVCache:
         self.max_len = max_len
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+
+    def _for_positions(self, positions: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(span, batch rows, causal mask [B, 1, T, span]) for a step's positions. Every layer of a
+        forward passes the same positions tensor, so this is worked out once per forward, not per layer."""
+        if self._step is None or self._step[0] is not positions:
+            span = int(positions.max()) + 1
+            if span > self.max_len:
+                raise ValueError(f"position {span - 1} is beyond the KV cache length {self.max_len}")
+            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+            # Causal by absolute position: a query sees every key at or before its own position.
+            mask = torch.arange(span, device=positions.device) <= positions[:, None, :, None]
+            self._step = (positions, span, rows, mask)
+        return self._step[1:]
+
+    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._for_positions(positions)[2]
 
     def update(
         self,
@@ -34,10 +51,7 @@ class KVCache:
         positions: torch.Tensor,  # [B, T] absolute positions of the new tokens
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new entries; return every entry up to the furthest position, [B, S, n_kv, D] each."""
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} is beyond the KV cache length {self.max_len}")
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        span, rows, _ = self._for_positions(positions)
         self.keys[layer_id][rows, positions] = k
         self.values[layer_id][rows, positions] = v
-        span = int(positions.max()) + 1
         return self.keys[layer_id][:, :span], self.values[layer_id][:, :span]

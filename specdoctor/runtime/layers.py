@@ -125,22 +125,21 @@ class Attention(FusedWeights):
     ) -> torch.Tensor:  # [B, T, H]
         batch, length, _ = x.shape
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
-            [self.num_heads * self.head_dim, kv_size, kv_size], -1
+        qk, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            [self.num_heads * self.head_dim + kv_size, kv_size], -1
         )
-        q = q.view(batch, length, self.num_heads, self.head_dim)
-        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads
+        qk = qk.view(batch, length, heads + self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
+        q, k = apply_rotary(qk, *rotary).split([heads, self.num_kv_heads], dim=2)  # q and k rotated together
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         if cache is None:
-            key_positions = positions  # [B, S]
+            # Causal by absolute position: a query sees every key at or before its own position.
+            mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
         else:
             k, v = cache.update(self.layer_id, k, v, positions)
-            key_positions = torch.arange(k.shape[1], device=x.device).expand(batch, -1)
-        # Causal by absolute position: a query sees every key at or before its own position.
-        mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+            mask = cache.causal_mask(positions)  # [B, 1, T, S]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
         )

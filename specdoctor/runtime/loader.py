@@ -56,7 +56,7 @@ def load_module(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[st
                 f"{checkpoint.path}: tensor {key!r} has shape {tuple(shape)}, the model expects {tuple(target.shape)}"
             )
         with torch.no_grad():
-            target.copy_(checkpoint.read(key))
+            checkpoint.read(key, out=target)
         result.filled.add(name)
     return result
 
