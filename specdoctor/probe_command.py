@@ -157,7 +157,9 @@ def probe_findings(source: str, metrics, min_length: float) -> list[Finding]:
     summary = f"mean acceptance length {mean:.2f} (counts the bonus token), from {source} figures"
     findings = []
     if mean < min_length:
-        broken = mean < 1.05 and (not rates or rates[0] < 0.05)
+        # A drafter fed garbage still guesses a little from the target's hidden state alone (zeros or
+        # another weight's bytes: 7-14 % at position 0 on the demo); healthy ones score several times that.
+        broken = mean < 1.2 and (not rates or rates[0] < 0.2)
         findings.append(
             Finding(
                 "probe.acceptance",

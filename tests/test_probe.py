@@ -63,7 +63,9 @@ def test_window_uses_differences_and_sglang_uses_verify_counts():
 def servers():
     started = {
         "healthy": Server("--pp", "2", "--num-speculative-tokens", "3"),
-        "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--allow-unhealthy"),
+        # "stale": the unloaded embedding holds another weight's bytes, as a caching allocator's reused
+        # block would; unlike "empty" it is the same on every run.
+        "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--fill", "stale", "--allow-unhealthy"),
         "off": Server("--num-speculative-tokens", "0"),
     }
     yield started
