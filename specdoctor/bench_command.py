@@ -104,17 +104,8 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(options.pp_sizes) * (len(ks) + 1) * batches)
         for pp in options.pp_sizes:
-            with Engine(
-                checkpoint,
-                pp=pp,
-                num_speculative_tokens=0,
-                drafter_policy=options.drafter_policy,
-                head_policy=options.head_policy,
-                fill=options.fill,
-                device=options.device,
-                dtype=options.dtype,
-                timeout_s=options.timeout_s,
-                show_progress=show_progress,
+            with Engine.from_options(
+                options, checkpoint, pp=pp, pp_partition=None, show_progress=show_progress
             ) as engine:
                 # One short run first: the first call pays one-off allocations and lazy imports.
                 engine.generate(prompts[:1], 4, num_speculative_tokens=max(ks, default=0))

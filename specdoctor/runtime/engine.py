@@ -98,10 +98,12 @@ class Engine:
 
     @classmethod
     def from_options(cls, options, checkpoint: Checkpoint | None = None, **extra) -> "Engine":
-        """An engine configured by any command's options object (same field names as this constructor);
-        pass the checkpoint when the caller has already opened it, so its headers are not scanned twice."""
+        """An engine configured by any command's options object (same field names as this constructor;
+        `extra` adds or overrides fields); pass the checkpoint when the caller has already opened it,
+        so its headers are not scanned twice."""
         model = checkpoint or options.model
-        return cls(model, **{name: getattr(options, name) for name in cls.OPTION_FIELDS}, **extra)
+        fields = {name: getattr(options, name) for name in cls.OPTION_FIELDS if name not in extra}
+        return cls(model, **fields, **extra)
 
     @property
     def rank_pids(self) -> list[int]:
