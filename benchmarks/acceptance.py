@@ -15,9 +15,10 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from benchmarks.demo_quality import held_out_prompts
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.options import RuntimeOptions
+from tests.helpers.demo_corpus import held_out_prompts
 
 BROKEN = [
     ("engine-legacy", "fixed", "empty"),
@@ -42,15 +43,14 @@ def main() -> None:
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
 
     rows = []
-    with Engine("demo", pp=args.pp, show_progress=True) as engine:
+    with Engine(RuntimeOptions("demo", pp=args.pp), show_progress=True) as engine:
         plain = engine.generate(prompts, args.new_tokens).tokens
         for k in range(1, 6):
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
             rows.append(("fixed", "fixed", "-", k, result.tokens == plain, result.metrics.to_dict()))
     for policy, head, fill in BROKEN:
-        with Engine(
-            "demo", pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill, show_progress=True
-        ) as engine:
+        options = RuntimeOptions("demo", pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill)
+        with Engine(options, show_progress=True) as engine:
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
             rows.append((policy, head, fill, 3, result.tokens == plain, result.metrics.to_dict()))
 

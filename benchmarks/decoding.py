@@ -13,7 +13,8 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks.common import machine, write_json
-from specdoctor.bench_command import BenchOptions, bench_table, run_bench
+from specdoctor.commands.bench import BenchOptions, bench_table, run_bench
+from specdoctor.runtime.options import RuntimeOptions
 
 
 def main() -> None:
@@ -23,20 +24,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--json", type=Path, default=Path("runs/decoding.json"))
     args = parser.parse_args()
-    options = BenchOptions(
-        model="demo",
-        pp_sizes=args.pp or [1, 4],
-        speculative_tokens=[1, 2, 3, 4, 5],
-        max_tokens=args.max_tokens,
-        batch_size=args.batch_size,
-        battery=None,
-        drafter_policy="fixed",
-        head_policy="fixed",
-        fill="empty",
-        device="cpu",
-        dtype="float32",
-        timeout_s=60.0,
-    )
+    options = BenchOptions(RuntimeOptions("demo"), args.pp or [1, 4], [1, 2, 3, 4, 5], args.max_tokens, args.batch_size)
     report = run_bench(options, show_progress=True)
     console = Console(width=160)
     console.print(bench_table(report))

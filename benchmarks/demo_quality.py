@@ -11,25 +11,15 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from specdoctor.demo_corpus import corpus_files, read_texts
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.loader import load_drafter, load_target_stage
-from specdoctor.runtime.trace_acceptance import position0_acceptance
-
-
-def held_out_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    stream: list[int] = []
-    for encoding in tokenizer.encode_batch(read_texts(corpus_files()[1])):
-        stream += encoding.ids + [eos]
-    offsets = torch.randint(0, len(stream) - length, (count,), generator=torch.Generator().manual_seed(seed))
-    return [stream[o : o + length] for o in offsets.tolist()]
+from tests.helpers.acceptance_trace import position0_acceptance
+from tests.helpers.demo_corpus import held_out_prompts
+from tests.helpers.loading import load_target_and_drafter
 
 
 def main() -> None:
@@ -42,8 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     checkpoint = Checkpoint("demo")
-    target = load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True)
-    drafter, _ = load_drafter(checkpoint)
+    target, drafter, _ = load_target_and_drafter(checkpoint)
     tokenizer = Tokenizer.from_file(str(checkpoint.path / "tokenizer.json"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
     start = time.perf_counter()

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from benchmarks.common import machine, write_json
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.mtp import MtpLayer
+from specdoctor.runtime.models.glm4_moe import MtpLayer
+from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.partition import placements
 
 CONFIG = {
@@ -77,10 +78,8 @@ def build(path: Path, shards: int) -> int:
     tensors["model.embed_tokens.weight"] = torch.zeros(1024, 64, dtype=torch.bfloat16)
     tensors["lm_head.weight"] = torch.zeros(1024, 64, dtype=torch.bfloat16)
     tensors["model.norm.weight"] = tiny
-    from specdoctor.runtime.config import ModelConfig
-
     with torch.device("meta"):
-        mtp = MtpLayer(ModelConfig.from_dict(CONFIG), 61)
+        mtp = MtpLayer(read_config(CONFIG), 61)
     for name, value in mtp.state_dict().items():
         tensors[f"model.layers.61.{name}"] = torch.zeros(value.shape, dtype=torch.bfloat16)
     keys = sorted(tensors)

@@ -37,12 +37,12 @@ from safetensors import safe_open
 from safetensors.torch import load, save_file
 
 from benchmarks.common import machine, write_json
-from specdoctor.checks.drafter_state import EMBEDDING, expected_key
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.model import TargetStage
-from specdoctor.runtime.mtp import MtpLayer
+from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.models.glm4_moe import MtpLayer
+from specdoctor.runtime.models.registry import read_config
+from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.partition import placements
 
 GIB = 1 << 30
@@ -70,7 +70,7 @@ KEY = "model.embed_tokens.weight"
 
 def shapes(layers: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the target (embedding first, as save_pretrained orders them) and its MTP layer."""
-    config = ModelConfig.from_dict({**CONFIG, "num_hidden_layers": layers})
+    config = read_config({**CONFIG, "num_hidden_layers": layers})
     with torch.device("meta"):
         target = TargetStage(config, range(layers), True, True)
         mtp = MtpLayer(config, layers)
@@ -120,7 +120,7 @@ def resident_bytes(files: list[Path]) -> int:
 def repair_read(path: Path, parameter: torch.Tensor) -> None:
     """Open the checkpoint (index and every shard header), find the embedding, read it into the parameter."""
     checkpoint = Checkpoint(path)
-    checkpoint.read(expected_key(checkpoint, EMBEDDING), out=parameter)
+    checkpoint.read(expected_key(checkpoint, DRAFTER_EMBEDDING), out=parameter)
 
 
 def bare_read(shard: Path) -> torch.Tensor:

@@ -17,9 +17,10 @@ from rich.table import Table
 from transformers import Glm4MoeForCausalLM
 
 from benchmarks.common import machine, write_json
-from specdoctor.checks.behaviour import load_battery
+from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.tokenizer import TextCodec
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     seconds = {"transformers": 0.0, "specdoctor": 0.0, "specdoctor k=3": 0.0}
     tokens = dict.fromkeys(seconds, 0)
     same = True
-    with Engine("demo", pp=1, show_progress=True) as engine, torch.inference_mode():
+    with Engine(RuntimeOptions("demo", pp=1), show_progress=True) as engine, torch.inference_mode():
         transformers_generate(reference, prompts[0], 4, codec.eos_token_ids)  # warm-up on both sides
         engine.generate(prompts[:1], 4, num_speculative_tokens=3)
         for _ in range(args.rounds):

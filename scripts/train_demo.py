@@ -4,7 +4,7 @@ Data: the Python standard library's own sources (every machine with Python has t
 whose path hashes into the held-out bucket are never trained on. Deterministic for a given seed
 and Python version. Runs on the CPU:
 
-    python scripts/train_demo.py --out specdoctor/demo_model --steps 2400
+    python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
 (DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
@@ -26,12 +26,13 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from specdoctor.demo_corpus import corpus_files, read_texts
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.layers import Router
-from specdoctor.runtime.model import TargetStage
-from specdoctor.runtime.mtp import MtpDrafter
-from specdoctor.runtime.trace_acceptance import position0_acceptance
+from specdoctor.runtime.models.layers import Router
+from specdoctor.runtime.models.mtp import MtpDrafter
+from specdoctor.runtime.models.registry import read_config
+from specdoctor.runtime.models.stage import TargetStage
+from tests.helpers.acceptance_trace import position0_acceptance
+from tests.helpers.demo_corpus import corpus_files, read_texts
 
 EOS = "<|endoftext|>"
 CHAIN_WEIGHTS = (0.5, 0.2, 0.1)  # MTP loss weight for chain steps 0 (t+2), 1 (t+3), 2 (t+4)
@@ -209,7 +210,7 @@ def main() -> None:
     )
 
     raw_config = demo_config(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
-    model = DemoModel(ModelConfig.from_dict(raw_config))
+    model = DemoModel(read_config(raw_config))
     loads = track_loads(model)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)

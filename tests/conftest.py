@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.mtp import MtpLayer
+from specdoctor.runtime.models.glm4_moe import MtpLayer
+from specdoctor.runtime.models.registry import read_config
 
 TINY = dict(
     vocab_size=320,
@@ -56,7 +56,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def add_mtp_layers(path: Path, seed: int) -> None:
     """Append MTP layer tensors (keys under model.layers.{N + i}.) as one more indexed shard."""
-    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    config = read_config(json.loads((path / "config.json").read_text()))
     torch.manual_seed(seed)
     tensors = {}
     for layer_id in config.mtp_layer_ids:

@@ -13,9 +13,10 @@ import xml.etree.ElementTree as ET
 import pytest
 from safetensors.torch import load_file, save_file
 
-from specdoctor.check_command import CheckOptions, run_check
-from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH
+from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
+from specdoctor.commands.check import CheckOptions, run_check
 from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.options import RuntimeOptions
 from tests.test_cli import rename_key
 from tests.test_engine import make_agreeing_checkpoint
 
@@ -27,6 +28,22 @@ INDEPENDENT_SIGNALS = {
     "behaviour.acceptance",
     "behaviour.constant_proposals",
 }
+
+
+def check_options(
+    model, pp, partition=None, k=3, policy="engine-legacy", head="engine-legacy", fill="empty", tp=1, **rest
+):
+    runtime = RuntimeOptions(
+        model,
+        pp=pp,
+        pp_partition=partition,
+        tp=tp,
+        num_speculative_tokens=k,
+        drafter_policy=policy,
+        head_policy=head,
+        fill=fill,
+    )
+    return CheckOptions(runtime, **rest)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +93,12 @@ FAULTS = [
     ],
 )
 def test_fault_is_detected_twice_and_repaired(demo_variants, model, pp, partition, k, policy, head, fill):
-    options = CheckOptions(demo_variants[model], pp, partition, k, policy, head, fill, repair=True)
+    options = check_options(demo_variants[model], pp, partition, k, policy, head, fill, repair=True)
     report = run_check(options, show_progress=False)
     before, after = report.stages
     signals = {f.check for f in before.findings if f.severity == "error"} & INDEPENDENT_SIGNALS
     assert len(signals) >= 2, signals
-    assert report.repair["repaired"]
+    assert report.repair.repaired
     assert not [f for f in after.findings if f.severity == "error"], after.findings
     assert after.behaviour["battery"] == "9/9"
     assert after.behaviour["metrics"]["mean_acceptance_length"] >= options.min_acceptance_length
@@ -90,7 +107,7 @@ def test_fault_is_detected_twice_and_repaired(demo_variants, model, pp, partitio
 
 @pytest.mark.parametrize("pp, policy", [(1, "engine-legacy"), (4, "fixed")], ids=["pp1-legacy", "pp4-fixed"])
 def test_healthy_configurations_have_no_error_findings(pp, policy):
-    report = run_check(CheckOptions("demo", pp, None, 3, policy, "engine-legacy"), show_progress=False)
+    report = run_check(check_options("demo", pp, None, 3, policy, "engine-legacy"), show_progress=False)
     errors = [f for f in report.all_findings() if f.severity == "error"]
     assert not errors, errors
     assert report.stages[0].behaviour["battery"] == "9/9"
@@ -108,10 +125,10 @@ def with_word_tokenizer(path, vocab: int = 320) -> None:
 def test_tied_embeddings_transformers_checkpoint_is_healthy_with_fixed_loading(tmp_path):
     make_agreeing_checkpoint(tmp_path, seed=31, tie_word_embeddings=True)
     with_word_tokenizer(tmp_path)
-    healthy = run_check(CheckOptions(str(tmp_path), 2, None, 3, "fixed", "engine-legacy"), show_progress=False)
+    healthy = run_check(check_options(str(tmp_path), 2, None, 3, "fixed", "engine-legacy"), show_progress=False)
     assert not [f for f in healthy.all_findings() if f.severity == "error"]
     legacy = run_check(
-        CheckOptions(str(tmp_path), 2, None, 3, "engine-legacy", "engine-legacy", "nan", repair=True),
+        check_options(str(tmp_path), 2, None, 3, "engine-legacy", "engine-legacy", "nan", repair=True),
         show_progress=False,
     )
     signals = {f.check for f in legacy.stages[0].findings if f.severity == "error"} & INDEPENDENT_SIGNALS
@@ -123,7 +140,7 @@ def test_missing_mtp_tensor_is_a_preflight_error(demo_variants, tmp_path):
     path = tmp_path / "model"
     shutil.copytree(DEMO_DIR, path)
     rename_key(path, "model.layers.4.eh_proj.weight", None)
-    report = run_check(CheckOptions(str(path), 2, None, 1, "fixed", "engine-legacy"), show_progress=False)
+    report = run_check(check_options(str(path), 2, None, 1, "fixed", "engine-legacy"), show_progress=False)
     assert any(f.check == "mtp.tensors" and f.severity == "error" for f in report.preflight)
     assert any(f.check == "drafter.provenance" and f.severity == "error" for f in report.stages[0].findings)
     assert report.exit_code == 1
@@ -173,11 +190,11 @@ def test_repair_never_writes_to_the_checkpoint(tmp_path):
 
 
 def test_tp_shard_of_the_repair_is_checked():
-    report = run_check(CheckOptions("demo", 2, None, 1, repair=True, tp_size=3, tp_rank=2), show_progress=False)
-    shard = report.repair["tp_shard"]
+    report = run_check(check_options("demo", 2, None, 1, tp=3, repair=True, tp_rank=2), show_progress=False)
+    shard = report.repair.tp_shard
     # 2048 rows padded to 2048 (a multiple of 64) and split 683 per rank: rank 2 holds 682 real rows + 1 padded.
-    assert shard["rows"] == [1366, 2049] and shard["real_rows"] == 682 and shard["padded_rows"] == 1
-    assert shard["matches_table"] and shard["padding_zero"]
+    assert shard.rows == [1366, 2049] and shard.real_rows == 682 and shard.padded_rows == 1
+    assert shard.matches_table and shard.padding_zero
 
 
 @pytest.mark.parametrize(
@@ -185,7 +202,7 @@ def test_tp_shard_of_the_repair_is_checked():
     [
         (("--pp", "9"), "exceeds the model's 4 layers"),
         (("--num-speculative-tokens", "0"), "must be in 1..8"),
-        (("--drafter-policy", "bogus"), "unknown drafter policy"),
+        (("--drafter-policy", "bogus"), "Invalid value for '--drafter-policy'"),
         (("--battery", "/nonexistent/battery.jsonl"), "cannot read battery"),
         (("--tp", "2", "--tp-rank", "2"), "outside 0..1"),
     ],
@@ -200,9 +217,9 @@ def test_bad_input_exits_2_with_one_line(args, message):
 def test_user_battery(tmp_path):
     battery = tmp_path / "battery.jsonl"
     battery.write_text('{"name": "a", "prompt": "def f(x):\\n    return"}\n\n{"prompt": "import re\\n"}\n')
-    report = run_check(CheckOptions("demo", 1, None, 2, battery=battery), show_progress=False)
+    report = run_check(check_options("demo", 1, None, 2, battery=battery), show_progress=False)
     assert report.stages[0].behaviour["battery"] == "2/2"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"name": "no prompt"}\n')
     with pytest.raises(Exception, match="bad.jsonl:1"):
-        run_check(CheckOptions("demo", 1, None, 2, battery=bad), show_progress=False)
+        run_check(check_options("demo", 1, None, 2, battery=bad), show_progress=False)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.loader import embedding_candidates
+from specdoctor.runtime.drafter.keys import embedding_candidates
 from tests.conftest import make_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"

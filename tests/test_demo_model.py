@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
+from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.checkpoint import DEMO_DIR, Checkpoint
-from specdoctor.runtime.loader import load_drafter, load_target_stage
-from specdoctor.runtime.trace_acceptance import position0_acceptance
-from specdoctor.summary import summarize
+from specdoctor.runtime.loader import load_full_target
+from tests.helpers.acceptance_trace import position0_acceptance
+from tests.helpers.loading import load_target_and_drafter
 
 
 def test_ships_inside_the_package_within_25_mb():
@@ -34,7 +35,7 @@ def test_transformers_loads_the_demo_and_agrees():
 
     reference = Glm4MoeForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()
     checkpoint = Checkpoint("demo")
-    stage = load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True)
+    stage = load_full_target(checkpoint)
     text = "def parse(self, text):\n    for line in text.splitlines():\n"
     ids = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json")).encode(text).ids
     assert AutoTokenizer.from_pretrained(DEMO_DIR)(text)["input_ids"] == ids
@@ -46,12 +47,11 @@ def test_transformers_loads_the_demo_and_agrees():
 
 
 def test_drafter_agrees_with_the_target_on_held_out_text():
-    from benchmarks.demo_quality import held_out_prompts
+    from tests.helpers.demo_corpus import held_out_prompts
 
     checkpoint = Checkpoint("demo")
-    target = load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True)
-    drafter, result = load_drafter(checkpoint)
-    assert not result.missing
+    target, drafter, provenance = load_target_and_drafter(checkpoint)
+    assert not provenance.unfilled()
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
     prompts = held_out_prompts(tokenizer, count=8, length=48, seed=3)
     assert position0_acceptance(target, drafter, prompts, 32) >= 0.6

@@ -16,10 +16,11 @@ from safetensors.torch import load_file, save_file
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.generate import greedy_generate
 from specdoctor.runtime.loader import load_target_stage
+from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
+from tests.helpers.reference_decoder import greedy_generate
 
 PROMPTS = [[5, 9, 14, 3, 77], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -39,7 +40,7 @@ def reference(path, prompts=PROMPTS, new_tokens=12):
 def test_pipeline_matches_single_process(hf_checkpoint, pp, partition):
     path = hf_checkpoint[0]
     expected_tokens, expected_logits = reference(path)
-    with Engine(str(path), pp=pp, pp_partition=partition, timeout_s=30) as engine:
+    with Engine(RuntimeOptions(str(path), pp=pp, pp_partition=partition, timeout=30)) as engine:
         logits = engine.prompt_logits(PROMPTS)
         for row, prompt in enumerate(PROMPTS):
             n = len(prompt)
@@ -71,7 +72,7 @@ def owned_keys(checkpoint: Checkpoint, info: dict) -> set[str]:
 def test_each_rank_reads_only_the_tensors_it_owns(hf_checkpoint):
     path = hf_checkpoint[0]
     checkpoint = Checkpoint(path)
-    with Engine(str(path), pp=3, timeout_s=30) as engine:
+    with Engine(RuntimeOptions(str(path), pp=3, timeout=30)) as engine:
         infos = engine.rank_info
     assert [info["layers"] for info in infos] == [[0, 1], [1, 3], [3, 4]]
     for info in infos:
@@ -84,7 +85,7 @@ def test_each_rank_reads_only_the_tensors_it_owns(hf_checkpoint):
 def test_tied_embeddings_live_on_the_last_rank_too(tmp_path):
     make_hf_checkpoint(tmp_path, seed=21, tie_word_embeddings=True)
     expected_tokens, _ = reference(tmp_path)
-    with Engine(str(tmp_path), pp=2, num_speculative_tokens=2, timeout_s=30) as engine:
+    with Engine(RuntimeOptions(str(tmp_path), pp=2, num_speculative_tokens=2, timeout=30)) as engine:
         assert engine.rank_info[1]["has_embedding"]
         assert engine.drafter_provenance["embed_tokens.weight"] == "alias:model.embed_tokens"
         assert engine.generate(PROMPTS, 12).tokens == expected_tokens
@@ -104,7 +105,7 @@ def make_agreeing_checkpoint(path, seed=22, **overrides):
 
 def test_full_agreement_accepts_every_draft_at_every_position(tmp_path):
     make_agreeing_checkpoint(tmp_path)
-    with Engine(str(tmp_path), pp=2, timeout_s=30) as engine:
+    with Engine(RuntimeOptions(str(tmp_path), pp=2, timeout=30)) as engine:
         for k in (1, 3, 5):
             result = engine.generate(PROMPTS, 13, num_speculative_tokens=k)
             metrics = result.metrics
@@ -115,7 +116,7 @@ def test_full_agreement_accepts_every_draft_at_every_position(tmp_path):
 
 
 def test_seeded_sampling_is_reproducible(hf_checkpoint):
-    with Engine(str(hf_checkpoint[0]), pp=2, num_speculative_tokens=2, timeout_s=30) as engine:
+    with Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=2, num_speculative_tokens=2, timeout=30)) as engine:
         sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7)
         first = engine.generate(PROMPTS, 10, sampling).tokens
         assert engine.generate(PROMPTS, 10, sampling).tokens == first
@@ -124,7 +125,7 @@ def test_seeded_sampling_is_reproducible(hf_checkpoint):
 
 
 def test_a_killed_rank_is_named_within_the_timeout(hf_checkpoint):
-    with Engine(str(hf_checkpoint[0]), pp=3, timeout_s=10) as engine:
+    with Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=3, timeout=10)) as engine:
         os.kill(engine.rank_pids[1], signal.SIGKILL)
         start = time.time()
         with pytest.raises(PipelineError, match="rank 1") as caught:
@@ -134,7 +135,7 @@ def test_a_killed_rank_is_named_within_the_timeout(hf_checkpoint):
 
 
 def test_a_hung_rank_is_named_within_the_timeout(hf_checkpoint):
-    engine = Engine(str(hf_checkpoint[0]), pp=2, timeout_s=4)
+    engine = Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=2, timeout=4))
     try:
         os.kill(engine.rank_pids[1], signal.SIGSTOP)
         start = time.time()
@@ -189,7 +190,7 @@ def test_joins_a_group_launched_by_torchrun(hf_checkpoint, tmp_path):
 
 def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
     """Every rank stopped: no peer timeout can fire, so the controller's own deadline names them."""
-    engine = Engine(str(hf_checkpoint[0]), pp=2, timeout_s=2)
+    engine = Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=2, timeout=2))
     try:
         for pid in engine.rank_pids:
             os.kill(pid, signal.SIGSTOP)
@@ -204,7 +205,7 @@ def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
 
 
 def test_the_first_rank_beats_once_a_second_unless_streaming():
-    from specdoctor.runtime.decode import GenerateResult
+    from specdoctor.runtime.generation import GenerateResult
     from specdoctor.runtime.worker import StepReporter
 
     sent = []

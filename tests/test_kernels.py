@@ -141,16 +141,17 @@ def test_dispatcher_picks_torch_on_cpu_and_obeys_the_override(monkeypatch):
 def test_runtime_and_checks_run_on_the_triton_kernels(monkeypatch):
     """The speculative step and the statistics check go through the dispatcher: forced to Triton
     (interpreted), they give the same tokens, acceptance and statistics as the torch path."""
-    from specdoctor.checks.drafter_state import tensor_stats
-    from specdoctor.runtime.decode import GenerateRequest, generate
-    from specdoctor.runtime.worker import EngineSpec, load_rank
+    from specdoctor.runtime.drafter.state import tensor_stats
+    from specdoctor.runtime.generation import GenerateRequest, decode_batch
+    from specdoctor.runtime.options import RuntimeOptions
+    from specdoctor.runtime.worker import load_rank
 
-    model, _ = load_rank(EngineSpec("demo"), 0, 1)
+    model, _ = load_rank(RuntimeOptions("demo"), 0)
     request = GenerateRequest([[5, 6, 7, 8], [100, 101]], 6, num_speculative_tokens=2)
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("SPECDOCTOR_KERNELS", backend)
-        result = generate(model, request)
+        result = decode_batch(model, request)
         results[backend] = (result.tokens, result.metrics, tensor_stats(model.drafter.embed_tokens.weight))
     model.comm.close()
     assert results["torch"][:2] == results["triton"][:2]

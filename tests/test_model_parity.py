@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.generate import greedy_generate
 from specdoctor.runtime.loader import load_target_stage
 from tests.conftest import make_hf_checkpoint
+from tests.helpers.reference_decoder import greedy_generate
 
 
 def full_stage(path):
@@ -29,7 +29,9 @@ def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
 @pytest.mark.parametrize("expert_path", ["gathered", "looped"])
 def test_logits_match_transformers_at_every_position(hf_checkpoint, monkeypatch, expert_path):
     """Both ways of running the routed experts: one batched matmul over gathered weights, or a loop."""
-    monkeypatch.setattr("specdoctor.runtime.layers.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0)
+    monkeypatch.setattr(
+        "specdoctor.runtime.models.layers.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0
+    )
     path, reference = hf_checkpoint
     stage = full_stage(path)
     ids = torch.randint(0, reference.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(1))

@@ -1,5 +1,5 @@
 """The MTP drafter: loading from a real checkpoint, and its step against an independent reference
-built from transformers' own Glm4MoeDecoderLayer (DESIGN.md §2's formula)."""
+built from transformers' own Glm4MoeDecoderLayer (docs/engine-semantics.md §MTP step)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.loader import load_drafter
 from tests.conftest import make_hf_checkpoint
+from tests.helpers.loading import load_target_and_drafter
 
 
 def hf_block(checkpoint: Checkpoint, hf_config, layer_id: int):
@@ -56,16 +56,17 @@ def reference_step(checkpoint, hf_config, layer_id, embedding, tokens, prev_hidd
 
 def test_drafter_loads_every_tensor_from_the_checkpoint(hf_checkpoint):
     checkpoint = Checkpoint(hf_checkpoint[0])
-    drafter, result = load_drafter(checkpoint)
-    assert not result.missing
-    assert result.filled == set(drafter.state_dict())
+    _, drafter, provenance = load_target_and_drafter(checkpoint)
+    assert not provenance.unfilled()
+    assert set(provenance.sources) == set(drafter.state_dict())
+    assert all(source.startswith(("checkpoint:", "alias:")) for source in provenance.sources.values())
     torch.testing.assert_close(drafter.embed_tokens.weight, checkpoint.read("model.embed_tokens.weight"))
 
 
 def test_mtp_step_matches_reference_built_from_transformers(hf_checkpoint):
     path, reference = hf_checkpoint
     checkpoint = Checkpoint(path)
-    drafter, _ = load_drafter(checkpoint)
+    _, drafter, _ = load_target_and_drafter(checkpoint)
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 320, (2, 9), generator=generator)
     prev_hidden = torch.randn(2, 9, 64, generator=generator)
@@ -86,7 +87,7 @@ def test_mtp_step_matches_reference_built_from_transformers(hf_checkpoint):
 
 
 def test_embedding_is_ignored_at_position_zero_only(hf_checkpoint):
-    drafter, _ = load_drafter(Checkpoint(hf_checkpoint[0]))
+    _, drafter, _ = load_target_and_drafter(Checkpoint(hf_checkpoint[0]))
     prev = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(8))
     positions = torch.arange(3)[None]
     with torch.no_grad():
@@ -99,8 +100,8 @@ def test_embedding_is_ignored_at_position_zero_only(hf_checkpoint):
 
 def test_chain_step_picks_mtp_layer_by_step_modulo_layer_count(tmp_path):
     make_hf_checkpoint(tmp_path, seed=9, num_nextn_predict_layers=2)
-    drafter, result = load_drafter(Checkpoint(tmp_path))
-    assert not result.missing and sorted(drafter.layers) == ["4", "5"]
+    _, drafter, provenance = load_target_and_drafter(Checkpoint(tmp_path))
+    assert not provenance.unfilled() and sorted(drafter.layers) == ["4", "5"]
     tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(1, 4)[None]
     prev = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(10))
     with torch.no_grad():

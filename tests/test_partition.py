@@ -1,4 +1,4 @@
-"""Layer partition and placement: vLLM's goldens and errors (DESIGN.md §2)."""
+"""Layer partition and placement: vLLM's goldens and errors (docs/engine-semantics.md §Partition)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.partition import layer_ranges, placements
 
 
@@ -51,7 +52,7 @@ def test_more_ranks_than_layers_is_an_error():
 
 
 def config(tied: bool) -> ModelConfig:
-    return ModelConfig.from_dict(
+    return read_config(
         {
             "vocab_size": 64,
             "hidden_size": 16,

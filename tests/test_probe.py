@@ -13,8 +13,8 @@ import xml.etree.ElementTree as ET
 import httpx
 import pytest
 
-from specdoctor import prometheus
-from specdoctor.probe_command import acceptance, probe_findings
+from specdoctor.probe import prometheus
+from specdoctor.probe.client import acceptance, probe_findings
 from specdoctor.runtime.metrics import SpecMetrics
 from tests.test_server import Server, free_port
 
@@ -83,7 +83,8 @@ def test_healthy_server_passes(servers):
     result = probe(servers["healthy"].url, "--json", "-")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report["verdict"]["healthy"] and report["comparison"][0]["mean_acceptance_length"] >= 2.0
+    assert report["schema"] == "specdoctor.probe/1" and report["model"] == "demo"
+    assert report["verdict"]["healthy"] and report["metrics"]["mean_acceptance_length"] >= 2.0
 
 
 def test_broken_drafter_fails_with_its_signature(servers, tmp_path):
@@ -126,9 +127,9 @@ def test_other_traffic_is_excluded_by_per_request_figures(servers):
         stop.set()
         thread.join(timeout=60)
     after = prometheus.spec_counters(prometheus.parse(httpx.get(f"{url}/metrics").text))
-    stage = json.loads(result.stdout)["stages"][0]
-    assert stage["behaviour"]["source"] == "per-request"
-    assert stage["behaviour"]["metrics"]["num_drafts"] < after.num_drafts - before.num_drafts
+    report = json.loads(result.stdout)
+    assert report["source"] == "per-request"
+    assert report["metrics"]["num_drafts"] < after.num_drafts - before.num_drafts
 
 
 def test_unreachable_server_exits_2():

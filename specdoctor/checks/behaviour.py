@@ -2,44 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
-from importlib import resources
-from pathlib import Path
 
-from specdoctor.errors import SpecdoctorError
+from specdoctor.checks.acceptance import acceptance_findings
 from specdoctor.report import Finding
-from specdoctor.runtime.engine import Engine
 
-DEFAULT_MIN_ACCEPTANCE_LENGTH = 1.4  # broken drafters measure 1.00-1.14 on the demo, healthy ones >= 1.8
-
-
-def load_battery(path: Path | None) -> list[dict]:
-    """The built-in 9-prompt battery, or a user's: one JSON object per line with a "prompt"."""
-    if path is None:
-        lines = resources.files("specdoctor").joinpath("battery.jsonl").read_text(encoding="utf-8").splitlines()
-        source = "built-in battery"
-    else:
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as err:
-            raise SpecdoctorError(f"{path}: cannot read battery ({err.strerror})") from None
-        source = str(path)
-    entries = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecdoctorError(f"{source}:{number}: not valid JSON") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"]:
-            raise SpecdoctorError(f'{source}:{number}: expected an object with a non-empty "prompt" string')
-        entries.append({"name": str(entry.get("name", f"prompt-{number}")), "prompt": entry["prompt"]})
-    if not entries:
-        raise SpecdoctorError(f"{source}: no prompts")
-    return entries
+CONSTANT_PROPOSALS_MIN_COUNT = 20  # drafts needed before their spread means anything
+CONSTANT_PROPOSALS_SHARE = 0.5  # one token in half of the drafts: the drafter ignores its context
 
 
 def proposal_profile(proposals: list[int]) -> dict:
@@ -54,7 +24,7 @@ def proposal_profile(proposals: list[int]) -> dict:
 
 
 def run_battery(
-    engine: Engine,
+    engine,
     prompts: list[list[int]],
     plain: list[list[int]],
     max_tokens: int,
@@ -105,32 +75,8 @@ def behaviour_findings(lossless, metrics, profile, k, min_length, stage) -> list
     summary = (
         f"mean acceptance length {mean:.2f} (counts the bonus token), acceptance rate {metrics['acceptance_rate']:.1%}"
     )
-    if mean < min_length:
-        collapsed = mean < 1.05 and rates and rates[0] < 0.05
-        findings.append(
-            Finding(
-                "behaviour.acceptance",
-                "error",
-                f"{summary}: below {min_length}" + (": the drafter is broken" if collapsed else ""),
-                "an uninitialised or aliased drafter embedding, or missing drafter weights, gives about 1.00"
-                if collapsed
-                else "a healthy MTP drafter accepts most position-0 drafts (DeepSeek-V3 k=1: 85-90 %)",
-                stage,
-            )
-        )
-    else:
-        findings.append(Finding("behaviour.acceptance", "info", summary, stage=stage))
-    if k >= 2 and rates[0] >= 0.3 and rates[1] < 0.25 * rates[0]:
-        findings.append(
-            Finding(
-                "behaviour.chain",
-                "warning",
-                f"acceptance drops from {rates[0]:.0%} at position 0 to {rates[1]:.0%} at position 1",
-                "the multi-step chain is fed the wrong hidden state or norm",
-                stage,
-            )
-        )
-    if profile["count"] >= 20 and profile["top_share"] >= 0.5:
+    findings += acceptance_findings("behaviour", summary, mean, rates, min_length, stage)
+    if profile["count"] >= CONSTANT_PROPOSALS_MIN_COUNT and profile["top_share"] >= CONSTANT_PROPOSALS_SHARE:
         severity = "error" if mean < min_length else "warning"
         findings.append(
             Finding(

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from specdoctor.report import Finding
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.loader import embedding_candidates, target_embedding_key
+from specdoctor.runtime.drafter.keys import (
+    TARGET_HEAD,
+    drafter_embedding_key,
+    embedding_candidates,
+    expected_mtp_keys,
+    own_embedding_keys,
+    own_head_key,
+    target_embedding_key,
+)
 from specdoctor.runtime.partition import Placement
-from specdoctor.summary import expected_mtp_keys
 
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 
@@ -39,7 +46,7 @@ def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
                 "vocab_size or hidden_size in config.json does not match the weights",
             )
         )
-    head = tensors.get("lm_head.weight")
+    head = tensors.get(TARGET_HEAD)
     if head is None and not cfg.tie_word_embeddings:
         findings.append(
             Finding(
@@ -78,9 +85,9 @@ def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
 def mtp_tensors(checkpoint: Checkpoint) -> list[Finding]:
     findings = []
     for layer_id in checkpoint.config.mtp_layer_ids:
-        expected = expected_mtp_keys(checkpoint, layer_id)
+        expected = expected_mtp_keys(checkpoint.config, layer_id)
         missing = [k for k in expected if k not in checkpoint.tensors]
-        head = f"model.layers.{layer_id}.shared_head.head.weight"
+        head = own_head_key(checkpoint.config, layer_id)
         if head in missing:
             missing.remove(head)
             findings.append(
@@ -109,9 +116,8 @@ def mtp_tensors(checkpoint: Checkpoint) -> list[Finding]:
 
 
 def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
-    cfg = checkpoint.config
-    candidates = embedding_candidates(cfg)
-    key = checkpoint.first_present(candidates)
+    candidates = embedding_candidates(checkpoint.config)
+    key = drafter_embedding_key(checkpoint)
     if key is None:
         return [
             Finding(
@@ -141,7 +147,7 @@ def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Fin
             )
         )
     drafter_rank = ranks[-1]
-    own_copy = any(f"model.layers.{i}.embed_tokens.weight" in checkpoint.tensors for i in cfg.mtp_layer_ids)
+    own_copy = checkpoint.first_present(own_embedding_keys(checkpoint.config)) is not None
     if not drafter_rank.has_embedding and not own_copy:
         findings.append(
             Finding(

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.models.registry import read_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,8 +55,24 @@ class TensorInfo(NamedTuple):  # a tuple: ~100,000 of them are built per open
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """`demo` names the model shipped with the package; anything else is a directory."""
-    return DEMO_DIR if str(model) == "demo" else Path(model).expanduser()
+    """`demo` names the model shipped with the package; a directory is itself; an `org/name` that
+    is not a directory is looked up in the local Hugging Face cache, as vLLM does (never downloaded)."""
+    if str(model) == "demo":
+        return DEMO_DIR
+    path = Path(model).expanduser()
+    if path.exists() or str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        raise CheckpointError(
+            f"{model}: not a directory, and not in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            "nothing is downloaded: fetch it first (huggingface-cli download) or give a path"
+        ) from None
 
 
 def read_json(path: Path, what: str):
@@ -146,7 +162,7 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: model directory not found")
         self.raw_config = read_json(self.path / "config.json", "config.json")
-        self.config = ModelConfig.from_dict(self.raw_config, str(self.path / "config.json"))
+        self.config = read_config(self.raw_config, str(self.path / "config.json"))
         self.layout, shard_of = self._weight_map()
         self.tensors = self._scan_headers(shard_of)
         self.keys_read: list[str] = []

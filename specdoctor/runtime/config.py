@@ -1,12 +1,49 @@
-"""The model configuration specdoctor needs, read from a Hugging Face `config.json`."""
+"""The model configuration specdoctor needs, as each family maps it from a Hugging Face
+`config.json` (runtime/models/)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from specdoctor.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("Glm4MoeForCausalLM",)
+
+@dataclass(frozen=True)
+class MtpKeyLayout:
+    """Where a family's checkpoint keeps its MTP layers; the default is DeepSeek-V3 / GLM's
+    (docs/engine-semantics.md §MTP step)."""
+
+    layer_prefix: str = "model.layers.{layer}."  # an MTP layer's tensors; layer counts on from the target's
+    own_embedding: str = "embed_tokens.weight"  # the layer's own embedding copy, where shipped
+    own_head: str = "shared_head.head.weight"
+
+    def prefix(self, layer_id: int) -> str:
+        return self.layer_prefix.format(layer=layer_id)
+
+
+class RawConfig:
+    """A parsed config.json with typed reads; every problem is one readable CheckpointError."""
+
+    def __init__(self, raw, source: str):
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        self.raw, self.source = raw, source
+
+    def need(self, name: str) -> int:
+        if name not in self.raw:
+            raise CheckpointError(f"{self.source}: missing required field {name!r}")
+        value = self.raw[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{self.source}: field {name!r} must be an integer, got {value!r}")
+        return value
+
+    def get(self, name: str, default=None):
+        return self.raw.get(name, default)
+
+    @property
+    def architecture(self) -> str | None:
+        architectures = self.raw.get("architectures") or []
+        return architectures[0] if architectures else None
 
 
 @dataclass(frozen=True)
@@ -37,6 +74,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    mtp_keys: MtpKeyLayout = field(default_factory=MtpKeyLayout)
 
     @property
     def mtp_layer_ids(self) -> list[int]:
@@ -50,66 +88,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        """Validate `raw` (a parsed config.json); every problem is one readable CheckpointError."""
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-        architectures = raw.get("architectures") or []
-        architecture = architectures[0] if architectures else "Glm4MoeForCausalLM"
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
-            raise CheckpointError(f"{source}: architecture {architecture!r} is not supported (supported: {supported})")
-
-        def need(name: str, kind=int):
-            if name not in raw:
-                raise CheckpointError(f"{source}: missing required field {name!r}")
-            value = raw[name]
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            return kind(value)
-
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        # Older GLM configs keep rope settings at the top level; newer ones under rope_parameters.
-        rope = raw.get("rope_parameters") or {}
-        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))
-        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        config = cls(
-            architecture=architecture,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=head_dim,
-            rotary_dim=int(head_dim * partial),
-            rope_theta=rope_theta,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            use_qk_norm=bool(raw.get("use_qk_norm", False)),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
-            n_routed_experts=int(raw.get("n_routed_experts") or 0),
-            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1),
-            first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            eos_token_ids=eos_ids,
-        )
-        config._validate(source)
-        return config
-
-    def _validate(self, source: str) -> None:
+    def validate(self, source: str) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -1,11 +1,12 @@
 """The controller: starts one process per pipeline rank and hands them requests.
 
-with Engine("demo", pp=4, num_speculative_tokens=3, drafter_policy="engine-legacy") as engine:
+with Engine(RuntimeOptions("demo", pp=4, num_speculative_tokens=3, drafter_policy="engine-legacy")) as engine:
     result = engine.generate([[1, 2, 3]], max_new_tokens=32)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import socket
 import time
@@ -15,14 +16,17 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineError
-from specdoctor.runtime.decode import GenerateRequest, GenerateResult, check_request
-from specdoctor.runtime.drafter_loading import DrafterPolicy
+from specdoctor.runtime.drafter.repair import RepairResult
+from specdoctor.runtime.drafter.state import DrafterState
+from specdoctor.runtime.generation import GenerateRequest, GenerateResult, check_request
+from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import model_eos_token_ids
-from specdoctor.runtime.worker import EngineSpec, rank_main
+from specdoctor.runtime.worker import rank_main
 
 
 def free_port() -> int:
@@ -41,49 +45,41 @@ def process_state(pid: int) -> str | None:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: str | Checkpoint,  # a path, "demo", or a checkpoint the caller already opened
-        pp: int = 1,
-        pp_partition: str | None = None,
-        num_speculative_tokens: int = 0,
-        drafter_policy: str = "fixed",
-        head_policy: str = "fixed",
-        fill: str = "empty",
-        device: str = "cpu",
-        dtype: str = "float32",
-        timeout_s: float = 60.0,
-        show_progress: bool = False,
-    ):
+    def __init__(self, options: RuntimeOptions, checkpoint: Checkpoint | None = None, show_progress: bool = False):
+        """Start the ranks; pass `checkpoint` when the caller has already opened it (no second header scan)."""
+        if options.tp != 1:
+            raise SpecdoctorError(
+                f"--tensor-parallel-size {options.tp}: the runtime runs tensor-parallel size 1 "
+                "(check --repair --tensor-parallel-size N verifies a TP rank's vocab shard of the repair)"
+            )
         # Validate in this process first, so bad input fails before any rank starts.
-        self.checkpoint = model if isinstance(model, Checkpoint) else Checkpoint(model)
+        self.checkpoint = checkpoint or Checkpoint(options.model)
         self.config = self.checkpoint.config
-        self.placements = placements(self.config, pp, pp_partition)
-        self.num_speculative_tokens = num_speculative_tokens
-        policy = DrafterPolicy(embedding=drafter_policy, head=head_policy, fill=fill)
-        self.spec = EngineSpec(str(self.checkpoint.path), pp, pp_partition, policy, dtype, device, timeout_s)
+        self.placements = placements(self.config, options.pp, options.pp_partition)
+        # Ranks open the resolved directory ("demo" and Hugging Face ids resolved once, here).
+        self.options = dataclasses.replace(options, model=str(self.checkpoint.path))
         self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids)
         # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'
         # timeouts; the controller's own deadline covers a whole pipeline that falls silent.
-        self.silence_limit_s = 2 * timeout_s + 5
+        self.silence_limit_s = 2 * options.timeout + 5
         context = mp.get_context("spawn")
         self._inbox = context.Queue()
         # One reply pipe per rank: a shared queue has a cross-process lock, and a rank stopped while
         # holding it would block every other rank's replies, error reports included.
-        pipes = [context.Pipe(duplex=False) for _ in range(pp)]
+        pipes = [context.Pipe(duplex=False) for _ in range(options.pp)]
         self._replies = [reader for reader, _ in pipes]
         port = free_port()
         self._processes = [
             context.Process(
                 target=rank_main,
-                args=(self.spec, rank, pp, port, self._inbox if rank == 0 else None, writer),
+                args=(self.options, rank, port, self._inbox if rank == 0 else None, writer),
                 name=f"specdoctor-rank-{rank}",
                 daemon=True,
             )
             for rank, (_, writer) in enumerate(pipes)
         ]
         self._closed = False
-        self.rank_info: list[dict] = [{} for _ in range(pp)]
+        self.rank_info: list[dict] = [{} for _ in range(options.pp)]
         for process in self._processes:
             process.start()
         for _, writer in pipes:
@@ -93,17 +89,6 @@ class Engine:
         except BaseException:
             self.close()
             raise
-
-    OPTION_FIELDS = ("pp", "pp_partition", "drafter_policy", "head_policy", "fill", "device", "dtype", "timeout_s")
-
-    @classmethod
-    def from_options(cls, options, checkpoint: Checkpoint | None = None, **extra) -> "Engine":
-        """An engine configured by any command's options object (same field names as this constructor;
-        `extra` adds or overrides fields); pass the checkpoint when the caller has already opened it,
-        so its headers are not scanned twice."""
-        model = checkpoint or options.model
-        fields = {name: getattr(options, name) for name in cls.OPTION_FIELDS if name not in extra}
-        return cls(model, **fields, **extra)
 
     @property
     def rank_pids(self) -> list[int]:
@@ -133,7 +118,7 @@ class Engine:
         """Generate for a batch; `on_tokens(tokens per prompt so far)` is called after every step."""
         if self._closed:
             raise PipelineError("the engine is closed")
-        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         request = GenerateRequest(
             prompts, max_new_tokens, sampling, k, self.eos_token_ids, stream=on_tokens is not None
         )
@@ -152,8 +137,15 @@ class Engine:
         self._inbox.put(("score", prompts))
         return self._wait_for("logits", self.silence_limit_s)[2]
 
-    def drafter_command(self, kind: str, **payload) -> dict:
-        """Ask the drafter's rank to inspect ('inspect_drafter') or repair ('repair_drafter') the live drafter."""
+    def measure_drafter(self) -> DrafterState:
+        """What the live drafter holds, measured on its rank."""
+        return self._drafter_operation("measure_drafter")
+
+    def repair_drafter(self, names: list[str], tp_size: int = 1, tp_rank: int = 0) -> RepairResult:
+        """Fill the named drafter tensors from the checkpoint, on the drafter's rank."""
+        return self._drafter_operation("repair_drafter", names=names, tp_size=tp_size, tp_rank=tp_rank)
+
+    def _drafter_operation(self, kind: str, **payload):
         if self._closed:
             raise PipelineError("the engine is closed")
         self._inbox.put((kind, payload))

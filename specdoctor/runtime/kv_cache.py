@@ -22,7 +22,7 @@ class KVCache:
         device: torch.device | str,
     ):
         shape = (batch, max_len, num_kv_heads, head_dim)
-        self.max_len = max_len
+        self.batch, self.max_len = batch, max_len
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
@@ -55,3 +55,11 @@ class KVCache:
         self.keys[layer_id][rows, positions] = k
         self.values[layer_id][rows, positions] = v
         return self.keys[layer_id][:, :span], self.values[layer_id][:, :span]
+
+
+def new_cache(stage, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
+    """A cache for a stage's layers (or the given layer ids, e.g. the MTP layers), in its dtype and device."""
+    param = next(stage.parameters())
+    cfg = stage.config
+    layers = stage.layer_ids if layer_ids is None else layer_ids
+    return KVCache(layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)

@@ -14,24 +14,8 @@ from torch import nn
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.model import TargetStage
-from specdoctor.runtime.mtp import MtpDrafter
-
-EMBEDDING_KEY = "model.embed_tokens.weight"
-
-
-def embedding_candidates(config) -> list[str]:
-    """Checkpoint keys that can supply the drafter's token embedding, in order of preference."""
-    keys = [
-        "model.language_model.embed_tokens.weight",
-        EMBEDDING_KEY,
-        "model.embed.weight",
-        "embed_tokens.weight",
-        "model.word_embeddings.weight",
-        "tok_embeddings.weight",
-        "transformer.wte.weight",
-    ]
-    return keys + [f"model.layers.{i}.embed_tokens.weight" for i in config.mtp_layer_ids]
+from specdoctor.runtime.drafter.keys import target_key_for
+from specdoctor.runtime.models.stage import TargetStage
 
 
 @dataclass
@@ -68,24 +52,6 @@ def allocate(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch
     return module.to_empty(device=device).to(dtype)
 
 
-def target_embedding_key(checkpoint: Checkpoint) -> str:
-    """The target's embedding key: the first candidate present (MTP layers' own copies excluded)."""
-    candidates = embedding_candidates(checkpoint.config)[: -checkpoint.config.num_nextn_predict_layers or None]
-    return checkpoint.first_present(candidates) or EMBEDDING_KEY
-
-
-def target_key(checkpoint: Checkpoint) -> Callable[[str], str]:
-    embedding = target_embedding_key(checkpoint)
-    tied = checkpoint.config.tie_word_embeddings
-
-    def key_for(name: str) -> str:
-        if name == EMBEDDING_KEY or (tied and name == "lm_head.weight"):
-            return embedding
-        return name
-
-    return key_for
-
-
 def load_target_stage(
     checkpoint: Checkpoint,
     layers: range,
@@ -97,7 +63,7 @@ def load_target_stage(
     """A target stage with every owned tensor read from the checkpoint; a missing one is an error."""
     config = checkpoint.config
     stage = allocate(lambda: TargetStage(config, layers, has_embedding, has_head), dtype, device)
-    result = load_module(stage, checkpoint, target_key(checkpoint))
+    result = load_module(stage, checkpoint, target_key_for(checkpoint))
     if result.missing:
         name, key = next(iter(result.missing.items()))
         more = f" (and {len(result.missing) - 1} more)" if len(result.missing) > 1 else ""
@@ -105,22 +71,6 @@ def load_target_stage(
     return stage.eval()
 
 
-def drafter_layer_key(name: str) -> str | None:
-    """Checkpoint key of a drafter parameter under the spec-layer prefix; None for the embedding."""
-    return f"model.{name}" if name.startswith("layers.") else None
-
-
-def load_drafter(
-    checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> tuple[MtpDrafter, LoadResult]:
-    """The MTP drafter with its layers loaded and its embedding read from the first candidate key."""
-    drafter = allocate(lambda: MtpDrafter(checkpoint.config), dtype, device)
-    result = load_module(drafter, checkpoint, drafter_layer_key)
-    embedding = checkpoint.first_present(embedding_candidates(checkpoint.config))
-    if embedding is None:
-        result.missing["embed_tokens.weight"] = " | ".join(embedding_candidates(checkpoint.config))
-    else:
-        result.filled |= load_module(
-            drafter, checkpoint, lambda n: embedding if n == "embed_tokens.weight" else None
-        ).filled
-    return drafter.eval(), result
+def load_full_target(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> TargetStage:
+    """The whole target in one stage (PP = 1): embedding, every layer, final norm and head."""
+    return load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True, dtype)

@@ -1,4 +1,4 @@
-"""Speculative-decoding counters with vLLM's names and definitions (DESIGN.md §2)."""
+"""Speculative-decoding counters with vLLM's names and definitions (docs/engine-semantics.md §Metrics)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pipeline layer partition and placement, with vLLM's semantics (DESIGN.md §2)."""
+"""Pipeline layer partition and placement, with vLLM's semantics (docs/engine-semantics.md §Partition and §Ownership)."""
 
 from __future__ import annotations
 

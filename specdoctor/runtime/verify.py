@@ -1,4 +1,4 @@
-"""Verification of draft tokens against the target (vLLM's semantics, DESIGN.md §2).
+"""Verification of draft tokens against the target (vLLM's semantics, docs/engine-semantics.md §Verification).
 
 Vocabulary: p is the target's distribution, q the drafter's. Draft j is *accepted* while it
 passes; at the first failure the target emits a *recovered* token instead and the step ends;

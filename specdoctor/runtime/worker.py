@@ -9,64 +9,45 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from specdoctor.checks.drafter_state import inspect_drafter, repair_drafter
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm
-from specdoctor.runtime.decode import GenerateRequest, RankModel, generate, prompt_logits
-from specdoctor.runtime.drafter_loading import DrafterPolicy, build_drafter
+from specdoctor.runtime.drafter.loading import Provenance, build_drafter
+from specdoctor.runtime.drafter.repair import repair_drafter
+from specdoctor.runtime.drafter.state import measure_drafter
+from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_batch, prompt_logits
 from specdoctor.runtime.loader import load_target_stage
+from specdoctor.runtime.options import Device, RuntimeOptions
 from specdoctor.runtime.partition import placements
 
-# Commands only the drafter's rank answers, with what the checks need from the live drafter.
-DRAFTER_COMMANDS = {"inspect_drafter": inspect_drafter, "repair_drafter": repair_drafter}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Operations only the drafter's rank answers: what the live drafter holds, and its repair.
+DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything a rank needs to build itself; sent to each rank process."""
-
-    model: str
-    pp: int = 1
-    pp_partition: str | None = None
-    policy: DrafterPolicy = field(default_factory=DrafterPolicy)
-    dtype: str = "float32"
-    device: str = "cpu"
-    timeout_s: float = 60.0
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise SpecdoctorError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
-        if self.device not in ("cpu", "cuda"):
-            raise SpecdoctorError(f"unknown device {self.device!r} (choose cpu or cuda)")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise SpecdoctorError("--device cuda was requested but no CUDA device is available")
-
-
-def rank_device(spec: EngineSpec, rank: int) -> torch.device:
-    if spec.device == "cpu":
+def rank_device(options: RuntimeOptions, rank: int) -> torch.device:
+    if options.device == Device.CPU:
         return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SpecdoctorError("--device cuda was requested but no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def load_rank(spec: EngineSpec, rank: int, world_size: int) -> tuple[RankModel, dict]:
+def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     """Build this rank's stage (and the drafter on the last rank), reading only the tensors it owns."""
-    device = rank_device(spec, rank)
-    dtype = DTYPES[spec.dtype]
-    checkpoint = Checkpoint(spec.model)
-    placement = placements(checkpoint.config, world_size, spec.pp_partition)[rank]
-    stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
-    drafter, provenance = None, {}
+    device = rank_device(options, rank)
+    checkpoint = Checkpoint(options.model)
+    placement = placements(checkpoint.config, options.pp, options.pp_partition)[rank]
+    stage = load_target_stage(
+        checkpoint, placement.layers, placement.has_embedding, placement.has_head, options.dtype.torch(), device
+    )
+    drafter, provenance = None, Provenance()
     if placement.has_drafter:
-        drafter, sources = build_drafter(checkpoint, stage, world_size, spec.policy, dtype, device)
-        provenance = sources.sources
-    comm = PipelineComm(rank, world_size, device, spec.timeout_s)
+        drafter, provenance = build_drafter(checkpoint, stage, options)
+    comm = PipelineComm(rank, options.pp, device, options.timeout)
     info = {
         "rank": rank,
         "layers": [placement.layers.start, placement.layers.stop],
@@ -75,7 +56,7 @@ def load_rank(spec: EngineSpec, rank: int, world_size: int) -> tuple[RankModel, 
         "has_drafter": placement.has_drafter,
         "keys_read": sorted(set(checkpoint.keys_read)),
         "bytes_read": checkpoint.bytes_read,
-        "drafter_provenance": provenance,
+        "drafter_provenance": dict(provenance.sources),
     }
     return RankModel(placement, stage, drafter, comm, checkpoint, provenance), info
 
@@ -103,15 +84,15 @@ def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Cal
             return
         if kind == "generate":
             first = model.placement.is_first
-            result = generate(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
+            result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
             if first:
                 reply("result", result)
         elif kind == "score":
             logits = prompt_logits(model, payload)
             if model.placement.is_last:
                 reply("logits", logits)
-        elif kind in DRAFTER_COMMANDS and model.placement.is_last:
-            reply(kind, DRAFTER_COMMANDS[kind](model, **payload))
+        elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
+            reply(kind, DRAFTER_OPERATIONS[kind](model, **payload))
 
 
 def keep_freed_memory_mapped() -> None:
@@ -126,11 +107,11 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
-def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, replies) -> None:
+def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies) -> None:
     """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.pp))
     keep_freed_memory_mapped()
     model = None
     parent = os.getppid()
@@ -139,13 +120,13 @@ def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, re
         # Idle ranks wait inside a collective; a heartbeat keeps them under its timeout and
         # notices a dead peer even when no request is in flight.
         try:
-            return inbox.get(timeout=min(spec.timeout_s / 4, 2.0))
+            return inbox.get(timeout=min(options.timeout / 4, 2.0))
         except queue.Empty:
             # A controller killed without closing the engine leaves no one to send "shutdown".
             return ("shutdown", None) if os.getppid() != parent else ("noop", None)
 
     try:
-        model, info = load_rank(spec, rank, world_size)
+        model, info = load_rank(options, rank)
         replies.send(("ready", rank, info))
         serve(model, next_command if rank == 0 else None, lambda kind, payload: replies.send((kind, rank, payload)))
     except SpecdoctorError as err:
@@ -164,12 +145,16 @@ def rank_main(spec: EngineSpec, rank: int, world_size: int, port: int, inbox, re
     os._exit(0)
 
 
-def run_under_torchrun(spec: EngineSpec, request: GenerateRequest):
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run_under_torchrun(options: RuntimeOptions, request: GenerateRequest):
     """Join a group launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 returns the result."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size != spec.pp:
-        raise SpecdoctorError(f"torchrun started {world_size} processes but --pp is {spec.pp}")
-    model, _ = load_rank(spec, rank, world_size)
+    if world_size != options.pp:
+        raise SpecdoctorError(f"torchrun started {world_size} processes but --pp is {options.pp}")
+    model, _ = load_rank(options, rank)
     commands = iter([("generate", request), ("shutdown", None)])
     results = []
 

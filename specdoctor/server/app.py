@@ -53,18 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="specdoctor", lifespan=lifespan)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        location = first.get("loc", ())
-        where = str(location[1]) if len(location) > 1 else None  # the field, without union-member suffixes
-        return JSONResponse(
-            RequestError(f"{where or 'body'}: {first.get('msg', 'invalid request')}", where).body(), 400
-        )
-
-    @app.exception_handler(RequestError)
-    async def refused(_request, error: RequestError):
-        return JSONResponse(error.body(), error.status)
+    add_error_handlers(app)
 
     @app.middleware("http")
     async def authorise(request: Request, call_next):
@@ -98,39 +87,57 @@ def create_app(state: ServerState) -> FastAPI:
         return await respond(body, render_chat(state.chat_template, body.messages), chat=True, default_max_tokens=None)
 
     async def respond(body: SamplingFields, prompt: str, chat: bool, default_max_tokens: int | None):
-        job = make_job(body, prompt, default_max_tokens)
+        job = make_job(state, body, prompt, default_max_tokens)
         reply = Reply(state, body, job, chat)
         if body.stream:
             return StreamingResponse(reply.events(scheduler), media_type="text/event-stream")
         return await reply.whole(scheduler)
 
-    def make_job(body: SamplingFields, prompt: str, default_max_tokens: int | None) -> Job:
-        """Validate a request into a job; None as the default means: up to the context."""
-        if body.model not in (None, state.model_name):
-            raise RequestError(
-                f"model {body.model!r} is not served here (serving {state.model_name!r})",
-                "model",
-                404,
-                "not_found_error",
-            )
-        if body.n != 1:
-            raise RequestError("only n = 1 is supported", "n")
-        if not state.engine.alive:
-            raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
-        ids = state.codec.encode(prompt) if prompt else []
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        context = state.engine.config.max_position_embeddings
-        max_tokens = body.max_tokens or min(default_max_tokens or context, context - len(ids))
-        if len(ids) + max_tokens > context:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
-                "max_tokens",
-            )
-        sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), body.seed)
-        return Job(ids, max_tokens, sampling)
-
     return app
+
+
+def make_job(state: ServerState, body: SamplingFields, prompt: str, default_max_tokens: int | None) -> Job:
+    """Validate a request into a job; None as the default means: up to the context."""
+    if body.model not in (None, state.model_name):
+        raise RequestError(
+            f"model {body.model!r} is not served here (serving {state.model_name!r})",
+            "model",
+            404,
+            "not_found_error",
+        )
+    if body.n != 1:
+        raise RequestError("only n = 1 is supported", "n")
+    if not state.engine.alive:
+        raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
+    ids = state.codec.encode(prompt) if prompt else []
+    if not ids:
+        raise RequestError("the prompt is empty", "prompt")
+    context = state.engine.config.max_position_embeddings
+    max_tokens = body.max_tokens or min(default_max_tokens or context, context - len(ids))
+    if len(ids) + max_tokens > context:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
+            "max_tokens",
+        )
+    sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), body.seed)
+    return Job(ids, max_tokens, sampling)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Bad requests become OpenAI-style error bodies."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = first.get("loc", ())
+        where = str(location[1]) if len(location) > 1 else None  # the field, without union-member suffixes
+        return JSONResponse(
+            RequestError(f"{where or 'body'}: {first.get('msg', 'invalid request')}", where).body(), 400
+        )
+
+    @app.exception_handler(RequestError)
+    async def refused(_request, error: RequestError):
+        return JSONResponse(error.body(), error.status)
 
 
 class Reply:

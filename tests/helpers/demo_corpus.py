@@ -7,6 +7,9 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer
+
 HELD_OUT_BUCKETS = 13  # of 256: about 5 % of files are never trained on
 
 
@@ -20,3 +23,12 @@ def corpus_files() -> tuple[list[Path], list[Path]]:
 
 def read_texts(files: list[Path]) -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+def held_out_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    stream: list[int] = []
+    for encoding in tokenizer.encode_batch(read_texts(corpus_files()[1])):
+        stream += encoding.ids + [eos]
+    offsets = torch.randint(0, len(stream) - length, (count,), generator=torch.Generator().manual_seed(seed))
+    return [stream[o : o + length] for o in offsets.tolist()]

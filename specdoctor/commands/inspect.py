@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdoctor.runtime.checkpoint import Checkpoint, TensorInfo
-from specdoctor.runtime.loader import embedding_candidates
-from specdoctor.runtime.mtp import MtpLayer
+from specdoctor.commands.options import JsonFlagOption, ModelOption
 
 MTP_PARTS_SHOWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
 CONFIG_FIELDS = (
@@ -27,36 +26,48 @@ CONFIG_FIELDS = (
 )
 
 
-def expected_mtp_keys(checkpoint: Checkpoint, layer_id: int) -> list[str]:
-    """Every key an MTP layer needs, from the module itself (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        layer = MtpLayer(checkpoint.config, layer_id)
-    return [f"model.layers.{layer_id}.{name}" for name in layer.state_dict()]
+def inspect(model: ModelOption, as_json: JsonFlagOption = False) -> None:
+    """Describe a checkpoint from its headers alone: sizes, keys, where the drafter's tensors live."""
+    from specdoctor.runtime.checkpoint import Checkpoint
+
+    summary = summarize(Checkpoint(model))
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        render_summary(summary, Console())
 
 
-def describe(info: TensorInfo | None) -> dict | None:
+def describe(info) -> dict | None:
+    """A TensorInfo as JSON, or None for an absent tensor."""
     if info is None:
         return None
     return {"key": info.key, "shard": info.shard, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes}
 
 
-def summarize(checkpoint: Checkpoint) -> dict:
+def summarize(checkpoint) -> dict:
+    from specdoctor.runtime.drafter.keys import (
+        TARGET_EMBEDDING,
+        TARGET_HEAD,
+        drafter_embedding_key,
+        embedding_candidates,
+        expected_mtp_keys,
+    )
+
     config = checkpoint.config
     tensors = checkpoint.tensors
     mtp_layers = []
     for layer_id in config.mtp_layer_ids:
-        expected = expected_mtp_keys(checkpoint, layer_id)
-        prefix = f"model.layers.{layer_id}."
+        expected = expected_mtp_keys(config, layer_id)
+        prefix = config.mtp_keys.prefix(layer_id)
         present = sorted(k for k in tensors if k.startswith(prefix))
         mtp_layers.append(
             {
                 "layer": layer_id,
+                "prefix": prefix,
                 "tensors": [describe(tensors[k]) for k in present],
                 "missing": [k for k in expected if k not in tensors],
             }
         )
-    candidates = embedding_candidates(config)
-    draft_key = checkpoint.first_present(candidates)
     return {
         "path": str(checkpoint.path),
         "layout": checkpoint.layout,
@@ -66,10 +77,10 @@ def summarize(checkpoint: Checkpoint) -> dict:
         "num_shards": len({t.shard for t in tensors.values()}),
         "total_bytes": sum(t.nbytes for t in tensors.values()),
         "dtypes": dict(Counter(t.dtype for t in tensors.values()).most_common()),
-        "embedding": describe(tensors.get("model.embed_tokens.weight")),
-        "lm_head": describe(tensors.get("lm_head.weight")),
+        "embedding": describe(tensors.get(TARGET_EMBEDDING)),
+        "lm_head": describe(tensors.get(TARGET_HEAD)),
         "mtp_layers": mtp_layers,
-        "draft_embedding": {"key": draft_key, "candidates": candidates},
+        "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
     }
 
 
@@ -95,7 +106,7 @@ def render_summary(summary: dict, console: Console) -> None:
         row = (info["key"], info["shard"], info["dtype"], str(tuple(info["shape"]))) if info else ("absent", "", "", "")
         where.add_row(label, *row)
     for layer in summary["mtp_layers"]:
-        prefix = f"model.layers.{layer['layer']}."
+        prefix = layer["prefix"]
         for info in layer["tensors"]:
             part = info["key"][len(prefix) :]
             if part.split(".")[0] in MTP_PARTS_SHOWN:

@@ -2,16 +2,16 @@
 
 On a greedy trace the target's argmax at every position is the next token, so one forward pass
 over prompt + continuation tells exactly which first drafts k=1 speculative decoding accepts.
-Used to measure the demo model and, later, to cross-check the runtime's own counters.
+Used to train and measure the demo model.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.generate import greedy_generate
-from specdoctor.runtime.model import TargetStage
-from specdoctor.runtime.mtp import MtpDrafter
+from specdoctor.runtime.models.mtp import MtpDrafter
+from specdoctor.runtime.models.stage import TargetStage
+from tests.helpers.reference_decoder import greedy_generate
 
 
 @torch.no_grad()

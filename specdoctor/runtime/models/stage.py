@@ -8,7 +8,8 @@ from torch import nn
 
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.layers import DecoderLayer, PPMissingLayer, RMSNorm, rotary_cos_sin
+from specdoctor.runtime.models.layers import PPMissingLayer, RMSNorm, rotary_cos_sin
+from specdoctor.runtime.models.registry import family_of
 
 
 class TargetStage(nn.Module):
@@ -20,7 +21,8 @@ class TargetStage(nn.Module):
         # Parameter names equal the checkpoint keys: model.embed_tokens, model.layers.{i}, model.norm, lm_head.
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, hidden) if has_embedding else PPMissingLayer()
-        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in self.layer_ids})
+        block = family_of(config).decoder_layer
+        self.model.layers = nn.ModuleDict({str(i): block(config, i) for i in self.layer_ids})
         self.model.norm = RMSNorm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if has_head else PPMissingLayer()
 

@@ -1,8 +1,5 @@
-"""The MTP drafter (DeepSeek-V3 / GLM-4.5 layout), run on the last pipeline rank.
-
-Checkpoint keys of MTP layer i live under `model.layers.{num_hidden_layers + i}.`; the drafter's
-token embedding is its own parameter, which engines must fill from the target checkpoint.
-"""
+"""The MTP drafter, run on the last pipeline rank: its own token embedding (which engines must fill
+from the target checkpoint) and the family's MTP layers (docs/engine-semantics.md §MTP step)."""
 
 from __future__ import annotations
 
@@ -12,25 +9,8 @@ from torch import nn
 from specdoctor import kernels
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.layers import DecoderLayer, RMSNorm, rotary_cos_sin
-
-
-class SharedHead(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-class MtpLayer(DecoderLayer):
-    """A full decoder block plus the MTP input projection and its own output head."""
-
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.shared_head = SharedHead(config)
+from specdoctor.runtime.models.layers import rotary_cos_sin
+from specdoctor.runtime.models.registry import family_of
 
 
 class MtpDrafter(nn.Module):
@@ -38,7 +18,8 @@ class MtpDrafter(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): MtpLayer(config, i) for i in config.mtp_layer_ids})
+        layer = family_of(config).mtp_layer
+        self.layers = nn.ModuleDict({str(i): layer(config, i) for i in config.mtp_layer_ids})
 
     def forward(
         self,

@@ -1,29 +1,13 @@
 """Single-process greedy decoding with a KV cache: the plain-decoding reference for one stage
-that owns the whole target (embedding, every layer, head)."""
+that owns the whole target (embedding, every layer, head). The pipeline runtime is tested against it."""
 
 from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.model import TargetStage
-
-
-def new_cache(stage: TargetStage, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
-    param = next(stage.parameters())
-    cfg = stage.config
-    layers = stage.layer_ids if layer_ids is None else layer_ids
-    return KVCache(layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
-
-
-def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [B, Lmax] padded with 0 (padding lands past each sequence's end, masked by position)
-    and the prompt lengths [B]."""
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
-    return ids, lengths
+from specdoctor.runtime.generation import pad_right
+from specdoctor.runtime.kv_cache import new_cache
+from specdoctor.runtime.models.stage import TargetStage
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Building blocks of the GLM-4.5 MoE family, with the checkpoint's parameter names."""
+"""Building blocks shared by the model families, with the checkpoints' parameter names."""
 
 from __future__ import annotations
 
@@ -241,23 +241,10 @@ class MoE(FusedWeights):
         return out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        if config.is_moe_layer(layer_id):
-            self.mlp = MoE(config)
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class SharedHead(nn.Module):
+    """An MTP layer's output head: its own norm and vocabulary projection."""
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, H]
-        positions: torch.Tensor,  # [B, T]
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
-    ) -> torch.Tensor:  # [B, T, H]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

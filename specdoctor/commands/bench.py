@@ -6,37 +6,60 @@ compared with plain output, so a speed-up that changes the text is reported, not
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from specdoctor.checks.behaviour import load_battery
+from specdoctor.commands.options import BatteryOption, runtime_command
+from specdoctor.commands.output import emit_json_or_table
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.decode import STEP_PHASES
-from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.metrics import SpecMetrics
-from specdoctor.runtime.tokenizer import TextCodec
+from specdoctor.runtime.options import RuntimeOptions
+
+# Speculative against plain decoding at each PP size and k; k = 0 is always measured.
+BENCH_SWEEPS = dict(pp=[1], num_speculative_tokens=[1, 2, 3, 4, 5])
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    model: str
+    runtime: RuntimeOptions  # everything but the swept fields
     pp_sizes: list[int]
     speculative_tokens: list[int]  # k values to compare with plain decoding (k = 0, always measured)
-    max_tokens: int
-    batch_size: int
-    battery: Path | None
-    drafter_policy: str
-    head_policy: str
-    fill: str
-    device: str
-    dtype: str
-    timeout_s: float
+    max_tokens: int = 64
+    batch_size: int = 1
+    battery: Path | None = None
+
+
+MaxTokensOption = Annotated[int, typer.Option(help="Tokens per prompt.")]
+BatchSizeOption = Annotated[int, typer.Option(help="Prompts decoded together (1 = latency).")]
+BenchJsonOption = Annotated[str | None, typer.Option("--json", help="Write the JSON results to FILE, or - for stdout.")]
+
+
+@runtime_command(repeat=("pp", "num_speculative_tokens"), **BENCH_SWEEPS)
+def bench(
+    runtime: RuntimeOptions,
+    sweeps: dict,
+    max_tokens: MaxTokensOption = 64,
+    batch_size: BatchSizeOption = 1,
+    battery: BatteryOption = None,
+    json_out: BenchJsonOption = None,
+) -> None:
+    """Measure speculative against plain decoding: tokens/s, acceptance and each step's time split; exit 1 if
+    speculative output ever differs from plain output. --pp and --num-speculative-tokens may be repeated."""
+    options = BenchOptions(runtime, sweeps["pp"], sweeps["num_speculative_tokens"], max_tokens, batch_size, battery)
+    report = run_bench(options, show_progress=json_out != "-")
+    emit_json_or_table(
+        json.dumps(report, indent=2) + "\n", json_out, lambda console: console.print(bench_table(report))
+    )
+    raise typer.Exit(0 if all(row["lossless"] for row in report["rows"]) else 1)
 
 
 @dataclass
@@ -51,7 +74,7 @@ class Measurement:
         return sum(map(len, self.tokens)) / self.seconds
 
 
-def measure(engine: Engine, prompts: list[list[int]], k: int, options: BenchOptions, advance) -> Measurement:
+def measure(engine, prompts: list[list[int]], k: int, options: BenchOptions, advance) -> Measurement:
     result = Measurement([], 0.0, SpecMetrics(), [])
     for start in range(0, len(prompts), options.batch_size):
         began = time.perf_counter()
@@ -60,7 +83,7 @@ def measure(engine: Engine, prompts: list[list[int]], k: int, options: BenchOpti
         result.tokens += out.tokens
         result.metrics.add(out.metrics)
         result.rank_times = [
-            {name: mine.get(name, 0.0) + theirs[name] for name in STEP_PHASES}
+            {name: mine.get(name, 0.0) + value for name, value in theirs.items()}
             for mine, theirs in zip(result.rank_times or [{}] * len(out.rank_times), out.rank_times, strict=True)
         ]
         advance()
@@ -93,9 +116,14 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
 
 
 def run_bench(options: BenchOptions, show_progress: bool) -> dict:
+    from specdoctor.battery import load_battery
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.engine import Engine
+    from specdoctor.runtime.tokenizer import TextCodec
+
     if options.batch_size < 1 or options.max_tokens < 1:
         raise SpecdoctorError("--batch-size and --max-tokens must be at least 1")
-    checkpoint = Checkpoint(options.model)
+    checkpoint = Checkpoint(options.runtime.model)
     codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
     prompts = [codec.encode(entry["prompt"]) for entry in load_battery(options.battery)]
     ks = sorted(set(options.speculative_tokens) - {0})
@@ -104,9 +132,8 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(options.pp_sizes) * (len(ks) + 1) * batches)
         for pp in options.pp_sizes:
-            with Engine.from_options(
-                options, checkpoint, pp=pp, pp_partition=None, show_progress=show_progress
-            ) as engine:
+            runtime = dataclasses.replace(options.runtime, pp=pp)
+            with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
                 # One short run first: the first call pays one-off allocations and lazy imports.
                 engine.generate(prompts[:1], 4, num_speculative_tokens=max(ks, default=0))
                 plain = measure(engine, prompts, 0, options, lambda: progress.advance(task))
@@ -122,9 +149,9 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         "settings": {
             "max_tokens": options.max_tokens,
             "batch_size": options.batch_size,
-            "drafter_policy": options.drafter_policy,
-            "device": options.device,
-            "dtype": options.dtype,
+            "drafter_policy": str(options.runtime.drafter_policy),
+            "device": str(options.runtime.device),
+            "dtype": str(options.runtime.dtype),
             "greedy": True,
         },
         "rows": rows,

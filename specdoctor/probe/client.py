@@ -1,4 +1,4 @@
-"""`specdoctor probe`: judge a live deployment's speculative decoding from outside, over HTTP.
+"""Judge a live deployment's speculative decoding from outside, over HTTP (`specdoctor probe`).
 
 The probe sends the battery (completions, greedy, fixed max_tokens) once, with no retries that
 could double count. Acceptance comes from the best source the server offers:
@@ -12,15 +12,16 @@ could double count. Acceptance comes from the best source the server offers:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from specdoctor import prometheus
-from specdoctor.checks.behaviour import DEFAULT_MIN_ACCEPTANCE_LENGTH, load_battery
+from specdoctor.battery import load_battery
+from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH, acceptance_findings
 from specdoctor.errors import SpecdoctorError
-from specdoctor.report import Finding, Report, StageResult
+from specdoctor.probe import prometheus
+from specdoctor.report import Finding, ProbeReport
 from specdoctor.runtime.metrics import SpecMetrics
 
 
@@ -32,16 +33,16 @@ class ProbeOptions:
     battery: Path | None = None
     min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
     max_tokens: int = 32
-    request_timeout_s: float = 60.0
-    total_timeout_s: float = 600.0
+    request_timeout: float = 60.0
+    timeout: float = 600.0
 
 
 class Probe:
     def __init__(self, options: ProbeOptions):
         self.options = options
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        self.client = httpx.Client(base_url=options.url.rstrip("/"), headers=headers, timeout=options.request_timeout_s)
-        self.deadline = time.monotonic() + options.total_timeout_s
+        self.client = httpx.Client(base_url=options.url.rstrip("/"), headers=headers, timeout=options.request_timeout)
+        self.deadline = time.monotonic() + options.timeout
 
     def get(self, path: str) -> httpx.Response:
         try:
@@ -72,7 +73,7 @@ class Probe:
 
     def complete(self, model: str, prompt: str) -> dict:
         if time.monotonic() > self.deadline:
-            raise SpecdoctorError(f"the probe ran past its {self.options.total_timeout_s:.0f} s limit")
+            raise SpecdoctorError(f"the probe ran past its {self.options.timeout:.0f} s limit")
         body = {"model": model, "prompt": prompt, "max_tokens": self.options.max_tokens, "temperature": 0}
         try:
             response = self.client.post("/v1/completions", json=body)
@@ -85,7 +86,7 @@ class Probe:
         return response.json()
 
 
-def run_probe(options: ProbeOptions) -> Report:
+def run_probe(options: ProbeOptions) -> ProbeReport:
     probe = Probe(options)
     battery = load_battery(options.battery)
     model = probe.model_name()
@@ -93,14 +94,12 @@ def run_probe(options: ProbeOptions) -> Report:
     replies = [probe.complete(model, entry["prompt"]) for entry in battery]
     after = probe.scrape()
     source, metrics = acceptance(replies, before, after)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items() if k != "api_key"}
+    metrics_dict = metrics.to_dict() if isinstance(metrics, SpecMetrics) else metrics
     findings = probe_findings(source, metrics, options.min_acceptance_length)
-    behaviour = {
-        "battery": f"{len(replies)}/{len(battery)} answered",
-        "source": source,
-        "metrics": metrics.to_dict() if isinstance(metrics, SpecMetrics) else metrics,
-    }
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.__dict__.items() if k != "api_key"}
-    return Report(options.url, settings, [], [], [StageResult("probe", model, findings, {}, behaviour)])
+    return ProbeReport(
+        options.url, model, settings, source, f"{len(replies)}/{len(battery)} answered", metrics_dict, findings
+    )
 
 
 def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | dict | None]:
@@ -155,34 +154,4 @@ def probe_findings(source: str, metrics, min_length: float) -> list[Finding]:
             ]
         mean, rates = metrics.mean_acceptance_length, metrics.per_position_rates
     summary = f"mean acceptance length {mean:.2f} (counts the bonus token), from {source} figures"
-    findings = []
-    if mean < min_length:
-        # A drafter fed garbage still guesses a little from the target's hidden state alone (zeros or
-        # another weight's bytes: 7-14 % at position 0 on the demo); healthy ones score several times that.
-        broken = mean < 1.2 and (not rates or rates[0] < 0.2)
-        findings.append(
-            Finding(
-                "probe.acceptance",
-                "error",
-                f"{summary}: below {min_length}" + (": drafter broken" if broken else ""),
-                "an uninitialised or aliased drafter embedding, or missing drafter weights: run specdoctor check "
-                "--repair on the checkpoint"
-                if broken
-                else "a healthy MTP drafter accepts most position-0 drafts",
-                "probe",
-                {"mean_acceptance_length": mean},
-            )
-        )
-    else:
-        findings.append(Finding("probe.acceptance", "info", summary, stage="probe"))
-    if len(rates) >= 2 and rates[0] >= 0.3 and rates[1] < 0.25 * rates[0]:
-        findings.append(
-            Finding(
-                "probe.chain",
-                "warning",
-                f"acceptance drops from {rates[0]:.0%} at position 0 to {rates[1]:.0%} at position 1",
-                "multi-step chain broken: the wrong hidden state or norm is fed back",
-                "probe",
-            )
-        )
-    return findings
+    return acceptance_findings("probe", summary, mean, rates, min_length, "probe")

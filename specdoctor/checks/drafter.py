@@ -1,0 +1,87 @@
+"""Findings about the loaded drafter, from what its rank measured (runtime/drafter/state.py).
+
+Statistics are compared with the checkpoint (sampled rows read from it), so a mismatch is found
+whatever the memory held: zeros, NaN, stale bytes of another tensor, or a half-written table.
+"""
+
+from __future__ import annotations
+
+from specdoctor.report import Finding
+
+
+def drafter_findings(state, stage: str) -> tuple[list[Finding], list[str]]:
+    """(findings, names of the broken drafter tensors) for a DrafterState."""
+    findings = [provenance_finding(state.unfilled, stage)]
+    for name, placeholder in state.placeholders.items():
+        findings.append(
+            Finding(
+                "drafter.alias",
+                "error",
+                f"drafter {name} is a {placeholder.module_type} with no weight"
+                + (" that returns its input (token ids)" if placeholder.echoes_ids else ""),
+                "it aliases a placeholder for a module this rank does not own; load the tensor instead",
+                stage,
+                {"name": name},
+            )
+        )
+    for name, stats in state.tensors.items():
+        findings += tensor_findings(name, stats, stage)
+    broken = set(state.unfilled) | {f.data["name"] for f in findings if f.severity == "error" and "name" in f.data}
+    return findings, sorted(broken)
+
+
+def provenance_finding(unfilled: list[str], stage: str) -> Finding:
+    if not unfilled:
+        return Finding("drafter.provenance", "info", "every drafter tensor was loaded or aliased", stage=stage)
+    return Finding(
+        "drafter.provenance",
+        "error",
+        f"{len(unfilled)} drafter tensor(s) neither loaded nor aliased to a real tensor: {', '.join(unfilled)}",
+        "load them from the target checkpoint (specdoctor check --repair)",
+        stage,
+        {"unfilled": unfilled},
+    )
+
+
+def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
+    findings = []
+    stats = {**stats, "name": name}
+    summary = (
+        f"NaN {stats['nan']}, Inf {stats['inf']}, zeros {stats['zero_fraction']:.0%}, "
+        f"mean {stats['mean']:.3g}, std {stats['std']:.3g}, absmax {stats['absmax']:.3g}"
+    )
+    if stats["nan"] or stats["inf"]:
+        findings.append(
+            Finding(
+                "drafter.stats",
+                "error",
+                f"drafter {name} holds non-finite values ({summary})",
+                "the tensor was never loaded; repair it from the checkpoint",
+                stage,
+                stats,
+            )
+        )
+    if stats.get("mismatched_rows"):
+        findings.append(
+            Finding(
+                "drafter.fingerprint",
+                "error",
+                f"drafter {name}: {stats['mismatched_rows']}/{stats['compared_rows']} sampled rows differ from "
+                f"{stats['checkpoint_key']} ({summary})",
+                "the memory holds something other than the checkpoint's tensor; repair it",
+                stage,
+                stats,
+            )
+        )
+    if name.endswith("norm.weight") and abs(stats["mean"]) < 0.1:
+        findings.append(
+            Finding(
+                "drafter.norms",
+                "warning",
+                f"drafter {name} has mean {stats['mean']:.3g}",
+                "RMSNorm weights stored zero-centred need +1 before use",
+                stage,
+                stats,
+            )
+        )
+    return findings

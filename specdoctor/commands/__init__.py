@@ -1,0 +1,1 @@
+"""One module per command: parse its flags, run it, render what it found."""

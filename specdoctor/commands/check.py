@@ -1,0 +1,240 @@
+"""`specdoctor check` (and `repair`): pre-flight, loaded drafter, battery; then, with --repair, the
+same after the repair."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
+from specdoctor.commands.options import BatteryOption, JsonReportOption, JunitOption, MinLengthOption, runtime_command
+from specdoctor.commands.output import emit_report
+from specdoctor.errors import SpecdoctorError
+from specdoctor.report import CheckReport, Finding, StageResult, acceptance_row, findings_table, render_verdict
+from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
+
+# What an unpatched engine does with this checkpoint at this PP size.
+CHECK_DEFAULTS = dict(
+    num_speculative_tokens=3, drafter_policy=EmbeddingPolicy.ENGINE_LEGACY, head_policy=HeadPolicy.ENGINE_LEGACY
+)
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    runtime: RuntimeOptions
+    repair: bool = False
+    battery: Path | None = None
+    min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
+    max_tokens: int = 32
+    tp_rank: int = 0  # the TP rank whose vocab shard of the repair is checked (size: runtime.tp)
+
+    def validate(self) -> None:
+        if not 1 <= self.runtime.num_speculative_tokens:
+            raise SpecdoctorError(
+                f"--num-speculative-tokens must be in 1..8, got {self.runtime.num_speculative_tokens}"
+            )
+        if not 0 <= self.tp_rank < self.runtime.tp:
+            raise SpecdoctorError(f"--tp-rank {self.tp_rank} is outside 0..{self.runtime.tp - 1}")
+        if self.max_tokens < 1:
+            raise SpecdoctorError("--max-tokens must be at least 1")
+
+
+RepairFlag = Annotated[bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")]
+MaxTokensOption = Annotated[int, typer.Option(help="Tokens generated per battery prompt.")]
+TpRankOption = Annotated[int, typer.Option(help="Tensor-parallel rank whose vocab shard the repair checks.")]
+
+
+@runtime_command(**CHECK_DEFAULTS)
+def check(
+    runtime: RuntimeOptions,
+    repair: RepairFlag = False,
+    battery: BatteryOption = None,
+    min_acceptance_length: MinLengthOption = DEFAULT_MIN_ACCEPTANCE_LENGTH,
+    max_tokens: MaxTokensOption = 32,
+    tp_rank: TpRankOption = 0,
+    json_out: JsonReportOption = None,
+    junit_xml: JunitOption = None,
+) -> None:
+    """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it."""
+    options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, tp_rank)
+    emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check)
+
+
+@runtime_command(**CHECK_DEFAULTS)
+def repair(runtime: RuntimeOptions, json_out: JsonReportOption = None, junit_xml: JunitOption = None) -> None:
+    """Same as `specdoctor check --repair`."""
+    report = run_check(CheckOptions(runtime, repair=True), show_progress=json_out != "-")
+    emit_report(report, json_out, junit_xml, render_check)
+
+
+def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
+    # Imported here: the CLI itself starts without torch (probe and --help need none).
+    from specdoctor.checks.preflight import preflight
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.partition import placements
+
+    options.validate()
+    checkpoint = Checkpoint(options.runtime.model)
+    ranks = placements(checkpoint.config, options.runtime.pp, options.runtime.pp_partition)
+    settings = {**settings_dict(options.runtime), **settings_dict(options)}
+    report = CheckReport(
+        str(checkpoint.path), settings, [placement_row(r) for r in ranks], preflight(checkpoint, ranks)
+    )
+    if checkpoint.config.num_nextn_predict_layers == 0:
+        return report  # nothing to run: the pre-flight error says why
+    run_stages(report, options, checkpoint, show_progress)
+    return report
+
+
+def run_stages(report: CheckReport, options: CheckOptions, checkpoint, show_progress: bool) -> None:
+    """Start the ranks; the target-only battery; the before stage; with --repair, repair and the after stage."""
+    from specdoctor.battery import load_battery
+    from specdoctor.runtime.engine import Engine
+    from specdoctor.runtime.tokenizer import TextCodec
+
+    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    prompts = [codec.encode(entry["prompt"]) for entry in load_battery(options.battery)]
+    clock = StageClock(report.timings)
+    with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(f"starting {options.runtime.pp} pipeline rank(s)", total=4 + 3 * options.repair)
+        # The runtime computes at TP 1; a larger --tensor-parallel-size names the vocab shard the repair checks.
+        with Engine(dataclasses.replace(options.runtime, tp=1), checkpoint) as engine:
+            clock.lap("start_ranks")
+            progress.update(task, advance=1, description=f"battery: target only ({len(prompts)} prompts)")
+            plain = engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
+            clock.lap("target_only_battery")
+            progress.advance(task)
+            stage = StageRunner(engine, options, prompts, plain, progress, task)
+            before = stage.run("before", str(options.runtime.drafter_policy))
+            report.stages.append(before)
+            clock.lap("before")
+            if options.repair:
+                progress.update(task, description="repair: reading the drafter's tensors from the checkpoint")
+                report.repair = engine.repair_drafter(before.drafter["broken"], options.runtime.tp, options.tp_rank)
+                report.repair_findings = repair_findings(report.repair)
+                clock.lap("repair")
+                progress.advance(task)
+                if report.repair.repaired:
+                    report.stages.append(stage.run("after", "repaired"))
+                    clock.lap("after")
+        clock.lap("stop_ranks")
+
+
+@dataclass
+class StageRunner:
+    """Runs the loaded-drafter checks and the speculative battery on a live engine."""
+
+    engine: object
+    options: CheckOptions
+    prompts: list[list[int]]
+    plain: list[list[int]]  # target-only output, the lossless reference
+    progress: Progress
+    task: int
+
+    def run(self, name: str, policy: str) -> StageResult:
+        from specdoctor.checks.behaviour import run_battery
+        from specdoctor.checks.drafter import drafter_findings
+
+        self.progress.update(self.task, description=f"{name}: inspecting the loaded drafter")
+        state = self.engine.measure_drafter()
+        findings, broken = drafter_findings(state, name)
+        drafter = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
+        self.progress.update(self.task, advance=1, description=f"{name}: battery with speculative decoding")
+        options = self.options
+        behaviour = run_battery(
+            self.engine,
+            self.prompts,
+            self.plain,
+            options.max_tokens,
+            options.runtime.num_speculative_tokens,
+            options.min_acceptance_length,
+            name,
+        )
+        self.progress.advance(self.task)
+        return StageResult(name, policy, findings + behaviour.pop("findings"), drafter, behaviour)
+
+
+def settings_dict(options) -> dict:
+    """A dataclass's own fields as JSON values (paths and choices as strings; nested options left out)."""
+    values = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options)}
+    return {
+        name: (str(value) if isinstance(value, Path | str) else value)
+        for name, value in values.items()
+        if not isinstance(value, RuntimeOptions)
+    }
+
+
+def placement_row(placement) -> dict:
+    return {
+        "rank": placement.rank,
+        "layers": [placement.layers.start, placement.layers.stop],
+        "has_embedding": placement.has_embedding,
+        "has_head": placement.has_head,
+        "has_drafter": placement.has_drafter,
+    }
+
+
+class StageClock:
+    """Seconds spent in each stage of a check, recorded into the report."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = round(now - self.last, 3)
+        self.last = now
+
+
+def repair_findings(repair) -> list[Finding]:
+    findings = [
+        Finding("repair", "info", f"filled {name} from {key}", stage="repair") for name, key in repair.repaired.items()
+    ]
+    shard = repair.tp_shard
+    if shard:
+        verdict = "matches the table, padding zero" if shard.ok else "WRONG rows or padding"
+        findings.append(
+            Finding(
+                "repair.tp_shard",
+                "info" if shard.ok else "error",
+                f"TP rank {shard.tp_rank}/{shard.tp_size}: rows {shard.rows} ({shard.real_rows} real, "
+                f"{shard.padded_rows} padded), {verdict}",
+                stage="repair",
+            )
+        )
+    return findings
+
+
+def render_check(report: CheckReport, console: Console) -> None:
+    placement = Table(title=f"Placement · PP {report.settings['pp']}")
+    for column in ("rank", "layers", "embedding", "head", "drafter"):
+        placement.add_column(column)
+    for rank in report.placement:
+        start, stop = rank["layers"]
+        flags = ("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter"))
+        placement.add_row(str(rank["rank"]), f"[{start}, {stop})", *flags)
+    console.print(placement)
+    console.print(findings_table("Pre-flight (headers only)", report.preflight))
+    for stage in report.stages:
+        console.print(findings_table(f"Loaded drafter and battery · {stage.name} · {stage.policy}", stage.findings))
+        if stage.name == "before" and report.repair is not None:
+            repaired = report.repair_findings or [Finding("repair", "info", "nothing needed repair", stage="repair")]
+            title = f"Repair · {report.repair.bytes_read:,} bytes read in {report.repair.seconds:.3f} s"
+            console.print(findings_table(title, repaired))
+    comparison = Table(title="Before / after (mean acceptance length counts the bonus token)")
+    for column in ("stage", "policy", "mean acceptance length", "acceptance rate", "per-position rates", "battery"):
+        comparison.add_column(column)
+    for stage in report.stages:
+        comparison.add_row(
+            stage.name, stage.policy, *acceptance_row(stage.behaviour["metrics"]), stage.behaviour["battery"]
+        )
+    console.print(comparison)
+    render_verdict(report, console)

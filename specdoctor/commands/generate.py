@@ -1,0 +1,115 @@
+"""`specdoctor generate`: run prompts through the pipeline runtime and report acceptance."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdoctor.commands.options import JsonFlagOption, runtime_command
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.options import RuntimeOptions
+
+PromptOption = Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeat for a batch).")]
+PromptsFileOption = Annotated[Path | None, typer.Option(help='JSON lines, each {"prompt": ...}.')]
+MaxTokensOption = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
+TemperatureOption = Annotated[float, typer.Option(help="0 = greedy.")]
+TopKOption = Annotated[int, typer.Option(help="0 = no top-k cut.")]
+TopPOption = Annotated[float, typer.Option()]
+SeedOption = Annotated[int | None, typer.Option(help="Seed for sampling.")]
+
+
+@runtime_command()
+def generate(
+    runtime: RuntimeOptions,
+    prompt: PromptOption = None,
+    prompts_file: PromptsFileOption = None,
+    max_tokens: MaxTokensOption = 64,
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    seed: SeedOption = None,
+    as_json: JsonFlagOption = False,
+) -> None:
+    """Generate text with the pipeline runtime; print it with the acceptance metrics."""
+    from specdoctor.runtime.sampling import SamplingParams
+    from specdoctor.runtime.tokenizer import read_prompt_file
+
+    prompts = list(prompt or []) + (read_prompt_file(prompts_file) if prompts_file else [])
+    report = run_generate(runtime, prompts, max_tokens, SamplingParams(temperature, top_k, top_p, seed), not as_json)
+    if report is None:  # a non-zero rank under torchrun: rank 0 prints
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        render_generation(report, Console())
+
+
+def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, sampling, show_progress: bool):
+    """Generate for every prompt; returns the report (None on the non-zero ranks under torchrun)."""
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.engine import Engine
+    from specdoctor.runtime.generation import GenerateRequest
+    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.runtime.worker import launched_by_torchrun, run_under_torchrun
+
+    if not prompts:
+        raise SpecdoctorError("give at least one --prompt or --prompts-file")
+    checkpoint = Checkpoint(runtime.model)
+    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    ids = [codec.encode(p) for p in prompts]
+    if launched_by_torchrun():
+        k = runtime.num_speculative_tokens
+        request = GenerateRequest(ids, max_tokens, sampling, k, codec.eos_token_ids)
+        result = run_under_torchrun(dataclasses.replace(runtime, model=str(checkpoint.path)), request)
+    else:
+        with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
+            result = engine.generate(ids, max_tokens, sampling)
+    return None if result is None else build_report(runtime, prompts, codec, result)
+
+
+def build_report(runtime: RuntimeOptions, prompts: list[str], codec, result) -> dict:
+    return {
+        "model": runtime.model,
+        "pp": runtime.pp,
+        "num_speculative_tokens": runtime.num_speculative_tokens,
+        "drafter_policy": str(runtime.drafter_policy),
+        "outputs": [
+            {"prompt": prompt, "completion": codec.decode(tokens), "tokens": tokens, "finish_reason": reason}
+            for prompt, tokens, reason in zip(prompts, result.tokens, result.finish_reasons, strict=True)
+        ],
+        "metrics": result.metrics.to_dict(),
+    }
+
+
+def metrics_table(data: dict, title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("drafts", str(data["num_drafts"]))
+    table.add_row("draft tokens", str(data["num_draft_tokens"]))
+    table.add_row("accepted tokens", str(data["num_accepted_tokens"]))
+    table.add_row("acceptance rate", f"{data['acceptance_rate']:.1%}")
+    table.add_row("mean acceptance length (incl. bonus token)", f"{data['mean_acceptance_length']:.2f}")
+    rates = data["per_position_acceptance_rate"]
+    table.add_row("per-position acceptance", " ".join(f"{r:.0%}" for r in rates) or "-")
+    return table
+
+
+def render_generation(report: dict, console: Console) -> None:
+    for output in report["outputs"]:
+        console.rule(f"[bold]{output['finish_reason']}[/bold] · {len(output['tokens'])} tokens")
+        console.print(output["prompt"], style="dim", end="", markup=False, highlight=False)
+        console.print(output["completion"], markup=False, highlight=False)
+    if report["num_speculative_tokens"]:
+        k, policy = report["num_speculative_tokens"], report["drafter_policy"]
+        title = f"Speculative decoding · PP {report['pp']} · k {k} · {policy}"
+        console.print(metrics_table(report["metrics"], title))
+    else:
+        console.print("(speculative decoding off: --num-speculative-tokens 0)")

@@ -1,0 +1,110 @@
+"""Every shared command-line option, declared once.
+
+The runtime's options are the fields of `RuntimeOptions` (runtime/options.py): `runtime_command`
+adds them to a command's typer signature, with each command's own defaults, and hands the command
+one `RuntimeOptions`. The options shared by the report-producing commands are declared below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.options import RuntimeOptions, speculative_tokens_from_config
+
+RUNTIME_PANEL = "Runtime (vLLM's spellings accepted)"
+SPECULATIVE_CONFIG = "speculative_config"
+
+BatteryOption = Annotated[
+    Path | None, typer.Option(help='JSON lines, each {"prompt": ...} (default: the built-in 9 prompts).')
+]
+MinLengthOption = Annotated[
+    float, typer.Option(help="Fail below this mean acceptance length (counts the bonus token).")
+]
+JsonReportOption = Annotated[str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")]
+JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")]
+JsonFlagOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+
+_FIELDS = {spec.name: spec for spec in dataclasses.fields(RuntimeOptions)}
+_TYPES = typing.get_type_hints(RuntimeOptions)
+
+
+def runtime_field_option(name: str, repeat: bool = False):
+    """The typer annotation of one RuntimeOptions field (a list of values when `repeat`)."""
+    spec = _FIELDS[name]
+    kind = list[_TYPES[name]] | None if repeat else _TYPES[name]
+    return Annotated[
+        kind, typer.Option(*spec.metadata["flags"], help=spec.metadata["help"], rich_help_panel=RUNTIME_PANEL)
+    ]
+
+
+ModelOption = runtime_field_option("model")
+
+
+def _parameter(name: str, default, repeat: bool) -> inspect.Parameter:
+    if _FIELDS[name].metadata["required"]:
+        default = inspect.Parameter.empty
+    elif repeat:
+        default = None
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=runtime_field_option(name, repeat)
+    )
+
+
+def runtime_command(repeat: tuple[str, ...] = (), **defaults):
+    """Give a command every runtime option (with this command's `defaults`) plus vLLM's
+    `--speculative-config`; the command receives `runtime: RuntimeOptions`, and with `repeat`
+    also `sweeps: {field: [values]}` for the fields a user may give several times (bench; their
+    `defaults` are lists)."""
+
+    def decorate(command):
+        hints = typing.get_type_hints(command, include_extras=True)  # the command's annotations, evaluated
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name])
+            for p in inspect.signature(command).parameters.values()
+            if p.name not in ("runtime", "sweeps")
+        ]
+        runtime = [_parameter(name, defaults.get(name, spec.default), name in repeat) for name, spec in _FIELDS.items()]
+        config = inspect.Parameter(
+            SPECULATIVE_CONFIG,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    help='vLLM\'s JSON, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' (sets the draft tokens).',
+                    rich_help_panel=RUNTIME_PANEL,
+                ),
+            ],
+        )
+        parameters = [*runtime, config, *own]  # keyword-only: the order is only --help's
+
+        @functools.wraps(command)
+        def wrapper(**values):
+            config_text = values.pop(SPECULATIVE_CONFIG)
+            chosen = {name: values.pop(name) for name in _FIELDS}
+            if config_text is not None:
+                k = speculative_tokens_from_config(config_text)
+                given = chosen["num_speculative_tokens"]
+                default = defaults.get("num_speculative_tokens", _FIELDS["num_speculative_tokens"].default)
+                if given not in (None, default, k, [k]):
+                    raise SpecdoctorError(f"--num-speculative-tokens {given} contradicts --speculative-config (k {k})")
+                chosen["num_speculative_tokens"] = [k] if "num_speculative_tokens" in repeat else k
+            if repeat:
+                sweeps = {name: chosen[name] or list(defaults[name]) for name in repeat}
+                chosen.update({name: values[0] for name, values in sweeps.items()})
+                return command(runtime=RuntimeOptions(**chosen), sweeps=sweeps, **values)
+            return command(runtime=RuntimeOptions(**chosen), **values)
+
+        wrapper.__signature__ = inspect.Signature(parameters)
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        return wrapper
+
+    return decorate

@@ -1,0 +1,107 @@
+"""`specdoctor serve`: start the ranks with the fixed loading, check the drafter, then serve HTTP."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdoctor.commands.options import runtime_command
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.options import RuntimeOptions
+
+HostOption = Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
+PortOption = Annotated[int, typer.Option(help="Port to listen on.")]
+ApiKeyOption = Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")]
+AllowUnhealthyFlag = Annotated[
+    bool, typer.Option("--allow-unhealthy", help="Serve even with error findings, without repairing.")
+]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    runtime: RuntimeOptions
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allow_unhealthy: bool = False
+
+
+@runtime_command(num_speculative_tokens=3)
+def serve(
+    runtime: RuntimeOptions,
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8000,
+    api_key: ApiKeyOption = None,
+    allow_unhealthy: AllowUnhealthyFlag = False,
+) -> None:
+    """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics."""
+    run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy))
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise SpecdoctorError(f"cannot listen on {host}:{port} ({err.strerror})") from None
+
+
+def startup_check(engine, options: ServeOptions, console: Console) -> list:
+    """Pre-flight and the loaded-drafter checks; repair what can be repaired unless told to serve as is.
+    Returns the error findings that remain."""
+    from specdoctor.checks.drafter import drafter_findings
+    from specdoctor.checks.preflight import preflight
+
+    errors = [f for f in preflight(engine.checkpoint, engine.placements) if f.severity == "error"]
+    if options.runtime.num_speculative_tokens == 0 or engine.config.num_nextn_predict_layers == 0:
+        return errors
+    findings, broken = drafter_findings(engine.measure_drafter(), "startup")
+    if broken and not options.allow_unhealthy:
+        repair = engine.repair_drafter(broken)
+        console.print(f"repaired {', '.join(repair.repaired)} from the checkpoint ({repair.bytes_read:,} bytes)")
+        findings, _ = drafter_findings(engine.measure_drafter(), "startup")
+    return errors + [f for f in findings if f.severity == "error"]
+
+
+def run_serve(options: ServeOptions) -> None:
+    import uvicorn
+
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.engine import Engine
+    from specdoctor.runtime.partition import placements
+    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.server.app import ServerState, create_app
+    from specdoctor.server.metrics import ServerMetrics
+    from specdoctor.server.protocol import chat_template
+
+    console = Console(stderr=True)
+    runtime = options.runtime
+    checkpoint = Checkpoint(runtime.model)
+    placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
+    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    check_port_free(options.host, options.port)
+    engine = Engine(runtime, checkpoint, show_progress=True)
+    try:
+        errors = startup_check(engine, options, console)
+        for finding in errors:
+            console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
+        if errors and not options.allow_unhealthy:
+            raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
+        name = "demo" if runtime.model == "demo" else checkpoint.path.name
+        speculative = runtime.num_speculative_tokens > 0
+        state = ServerState(
+            engine, codec, name, chat_template(checkpoint.path), options.api_key, ServerMetrics(name, speculative)
+        )
+        console.print(
+            f"serving {name} on http://{options.host}:{options.port} (PP {runtime.pp}, "
+            f"k {runtime.num_speculative_tokens})",
+            highlight=False,
+        )
+        uvicorn.run(create_app(state), host=options.host, port=options.port, log_level="warning")
+    finally:
+        engine.close()

@@ -1,0 +1,1 @@
+"""Probing live deployments: the HTTP client and the Prometheus reader."""

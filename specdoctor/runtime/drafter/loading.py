@@ -1,0 +1,134 @@
+"""How the drafter's embedding and head get their weights: correctly, or the ways engines got it wrong
+(docs/engine-semantics.md §Drafter embedding and head under PP).
+
+Embedding policies:
+  fixed             alias the target's embedding only when it is materialised on this rank;
+                    otherwise read it from the target checkpoint (first candidate key).
+  engine-legacy     share only when PP size is 1; the MTP loader keeps only keys under the spec
+                    layer prefix, so at PP > 1 the embedding is left as allocated unless the
+                    checkpoint ships the MTP layer's own copy.
+  alias-placeholder share without checking: at PP > 1 the drafter aliases a PPMissingLayer.
+Head policies (`shared_head.head`): fixed (own checkpoint key, else the target's head),
+engine-legacy (own key only, else left as allocated), unloaded (left as allocated even if present).
+What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another weight's bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.drafter.keys import (
+    DRAFTER_EMBEDDING,
+    drafter_embedding_key,
+    drafter_head_name,
+    drafter_layer_key,
+    is_drafter_head,
+    own_embedding_keys,
+    own_head_key,
+    target_head_key,
+)
+from specdoctor.runtime.loader import allocate, load_module
+from specdoctor.runtime.models.mtp import MtpDrafter
+from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.options import EmbeddingPolicy, Fill, HeadPolicy, RuntimeOptions
+
+
+@dataclass
+class Provenance:
+    """Where each drafter tensor came from: 'checkpoint:KEY', 'alias:MODULE', 'placeholder:MODULE'
+    or 'unfilled:FILL'. Anything unfilled is what the checks report."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def unfilled(self) -> list[str]:
+        return [name for name, source in self.sources.items() if source.startswith(("unfilled", "placeholder"))]
+
+
+def has_real_weight(module: nn.Module | None) -> bool:
+    """Materialised on this rank: a module with a real `.weight` (a PPMissingLayer has none)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.device.type != "meta"
+
+
+def fill_unloaded(parameter: torch.Tensor, fill: Fill, stale_source: torch.Tensor | None) -> None:
+    """Give an unloaded parameter what an engine's allocation would hold."""
+    with torch.no_grad():
+        if fill == Fill.ZEROS:
+            parameter.zero_()
+        elif fill == Fill.NAN:
+            parameter.fill_(float("nan"))
+        elif fill == Fill.STALE and stale_source is not None:
+            # A caching allocator hands back a freed block of the same size: here, another weight's bytes.
+            parameter.copy_(stale_source.reshape(parameter.shape))
+        # Fill.EMPTY: leave the bytes torch.empty gave.
+
+
+def build_drafter(
+    checkpoint: Checkpoint, target: TargetStage, options: RuntimeOptions
+) -> tuple[MtpDrafter, Provenance]:
+    """The drafter on the last rank, loaded the way `options` says; `target` is that rank's stage."""
+    config = checkpoint.config
+    drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), target_device(target))
+    provenance = Provenance()
+    body = load_module(
+        drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
+    )
+    provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
+    provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+    _place_embedding(drafter, checkpoint, target, options, provenance)
+    _place_heads(drafter, checkpoint, target, options, provenance)
+    return drafter.eval(), provenance
+
+
+def target_device(target: TargetStage) -> torch.device:
+    return next(target.parameters()).device
+
+
+def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
+    policy, target_embedding = options.drafter_policy, target.model.embed_tokens
+    legacy_sharing = policy == EmbeddingPolicy.ENGINE_LEGACY and options.pp == 1
+    if policy == EmbeddingPolicy.ALIAS_PLACEHOLDER or legacy_sharing:
+        drafter.embed_tokens = target_embedding
+        real = has_real_weight(target_embedding)
+        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens" if real else "placeholder:model.embed_tokens"
+        return
+    if policy == EmbeddingPolicy.FIXED and has_real_weight(target_embedding):
+        drafter.embed_tokens = target_embedding
+        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens"
+        return
+    if policy == EmbeddingPolicy.FIXED:
+        key = drafter_embedding_key(checkpoint)
+    else:  # engine-legacy at PP > 1: only the MTP layer's own copy is under the spec prefix
+        key = checkpoint.first_present(own_embedding_keys(checkpoint.config))
+    if key is None:
+        stale = target.lm_head.weight if has_real_weight(target.lm_head) else None
+        fill_unloaded(drafter.embed_tokens.weight, options.fill, stale)
+        provenance.sources[DRAFTER_EMBEDDING] = f"unfilled:{options.fill}"
+        return
+    load_module(drafter.embed_tokens, checkpoint, lambda _name: key)
+    provenance.sources[DRAFTER_EMBEDDING] = f"checkpoint:{key}"
+
+
+def _place_heads(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
+    policy = options.head_policy
+    for layer_id, layer in drafter.layers.items():
+        name, key = drafter_head_name(int(layer_id)), own_head_key(checkpoint.config, int(layer_id))
+        head = layer.shared_head.head
+        if policy != HeadPolicy.UNLOADED and key in checkpoint.tensors:
+            load_module(head, checkpoint, lambda _name, key=key: key)
+            provenance.sources[name] = f"checkpoint:{key}"
+        elif policy == HeadPolicy.FIXED and has_real_weight(target.lm_head):
+            layer.shared_head.head = target.lm_head
+            provenance.sources[name] = "alias:lm_head"
+        elif policy == HeadPolicy.FIXED:
+            fallback = target_head_key(checkpoint)
+            load_module(head, checkpoint, lambda _name, key=fallback: key)
+            provenance.sources[name] = f"checkpoint:{fallback}"
+        else:
+            stale = drafter.embed_tokens.weight if has_real_weight(drafter.embed_tokens) else None
+            fill_unloaded(head.weight, options.fill, stale)
+            provenance.sources[name] = f"unfilled:{options.fill}"

@@ -1,0 +1,106 @@
+"""The repair: fill broken drafter tensors from the target checkpoint, one tensor read each, never
+writing to the checkpoint (docs/engine-semantics.md §Drafter embedding and head under PP).
+
+Under tensor parallelism an engine's embedding holds its rank's rows of the vocabulary padded to a
+multiple of 64, with the padded rows zero; `check_vocab_shard` verifies that slice for one TP rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.loader import load_module
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
+
+
+@dataclass
+class TpShardCheck:
+    tp_size: int
+    tp_rank: int
+    rows: list[int]  # [start, end) of the padded vocabulary
+    real_rows: int
+    padded_rows: int
+    matches_table: bool
+    padding_zero: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.matches_table and self.padding_zero
+
+
+@dataclass
+class RepairResult:
+    repaired: dict[str, str] = field(default_factory=dict)  # drafter tensor -> checkpoint key it was read from
+    bytes_read: int = 0
+    seconds: float = 0.0
+    tp_shard: TpShardCheck | None = None
+
+
+def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """Rows [start, end) of the padded vocabulary that a tensor-parallel rank holds."""
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    per_rank = -(-padded // tp_size)
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+def read_vocab_shard(checkpoint: Checkpoint, key: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's rows of an embedding-like tensor; rows past the real vocabulary are zero."""
+    vocab, hidden = checkpoint.tensors[key].shape
+    start, end = vocab_shard_range(vocab, tp_size, tp_rank)
+    real = checkpoint.read(key, rows=(min(start, vocab), min(end, vocab)))
+    if real.shape[0] == end - start:
+        return real  # no padding rows: the read is the shard, with no second copy of a large table
+    shard = torch.zeros(end - start, hidden, dtype=real.dtype)
+    shard[: real.shape[0]] = real
+    return shard
+
+
+def check_vocab_shard(
+    checkpoint: Checkpoint, key: str, table: torch.Tensor, tp_size: int, tp_rank: int
+) -> TpShardCheck:
+    """What a TP rank's vocab shard of the repair would hold: its rows of the table, padded rows zero."""
+    start, end = vocab_shard_range(table.shape[0], tp_size, tp_rank)
+    shard = read_vocab_shard(checkpoint, key, tp_size, tp_rank)
+    real = max(0, min(end, table.shape[0]) - start)
+    return TpShardCheck(
+        tp_size,
+        tp_rank,
+        [start, end],
+        real,
+        shard.shape[0] - real,
+        bool(torch.equal(shard[:real], table[start : start + real].to(shard.dtype))),
+        bool((shard[real:] == 0).all()),
+    )
+
+
+def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) -> RepairResult:
+    """Fill the named drafter tensors of a RankModel from the target checkpoint, one tensor read each."""
+    checkpoint, drafter = model.checkpoint, model.drafter
+    device, dtype = model.device, next(model.stage.parameters()).dtype
+    before, start = checkpoint.bytes_read, time.perf_counter()
+    result = RepairResult()
+    for name in names:
+        key = expected_key(checkpoint, name)
+        if key is None:
+            continue
+        if name == DRAFTER_EMBEDDING:
+            # The runtime computes with the whole vocabulary: TP rank 0 of 1 is the whole padded table.
+            table = read_vocab_shard(checkpoint, key, 1, 0)[: checkpoint.config.vocab_size]
+            drafter.embed_tokens = nn.Embedding.from_pretrained(table.to(device, dtype), freeze=True)
+            if tp_size > 1:
+                result.tp_shard = check_vocab_shard(checkpoint, key, table, tp_size, tp_rank)
+        else:
+            module = drafter.get_submodule(name.removesuffix(".weight"))
+            load_module(module, checkpoint, lambda _name, key=key: key)
+        model.provenance.sources[name] = f"checkpoint:{key}"
+        result.repaired[name] = key
+    result.bytes_read = checkpoint.bytes_read - before
+    result.seconds = round(time.perf_counter() - start, 4)
+    return result

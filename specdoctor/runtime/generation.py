@@ -1,0 +1,235 @@
+"""A batch of prompts decoded across pipeline ranks, with or without MTP speculative decoding.
+
+Every rank runs `decode_batch` in lockstep. Tokens are known to all ranks (the last rank broadcasts
+each step's decision); only hidden states travel rank to rank. The last rank verifies drafts,
+proposes the next ones and decides (runtime/speculative.py); every other rank learns from that
+broadcast how many tokens were accepted, so positions and KV caches stay in sync on all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.comm import PipelineComm
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.drafter.loading import Provenance
+from specdoctor.runtime.kv_cache import KVCache, new_cache
+from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.models.mtp import MtpDrafter
+from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.partition import Placement
+from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.speculative import Drafts, commit, finish_device_work, speculative_step
+from specdoctor.runtime.verify import PLACEHOLDER
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompts: list[list[int]]
+    max_new_tokens: int | list[int]  # one limit for the batch, or one per prompt
+    sampling: SamplingParams = SamplingParams()
+    num_speculative_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    stream: bool = False  # report the tokens so far after every step (costs a message per step)
+
+    def limits(self) -> list[int]:
+        if isinstance(self.max_new_tokens, int):
+            return [self.max_new_tokens] * len(self.prompts)
+        return list(self.max_new_tokens)
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
+    row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
+    rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
+
+
+# Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
+# (plus head and acceptance on the last rank), the drafter, inter-rank transfers (waiting for a
+# peer included), and the host bookkeeping that appends tokens.
+STEP_PHASES = ("prefill_s", "decode_s", "target_s", "draft_s", "transfer_s", "host_s", "steps")
+
+
+@dataclass
+class RankModel:
+    placement: Placement
+    stage: TargetStage
+    drafter: MtpDrafter | None
+    comm: PipelineComm
+    checkpoint: Checkpoint | None = None
+    provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.stage.parameters()).device
+
+
+def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, Lmax] padded with 0 (padding lands past each sequence's end, masked by position)
+    and the prompt lengths [B]."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    return ids, lengths
+
+
+def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+    """Run this rank's layers on a [B, T] step; the last rank gets hidden states [B, T, H], others None."""
+    placement, stage = model.placement, model.stage
+    if placement.is_first:
+        inputs = tokens
+    else:
+        dtype = next(stage.parameters()).dtype
+        inputs = model.comm.recv_prev((*tokens.shape, stage.config.hidden_size), dtype)
+    hidden = stage(inputs, positions, cache)
+    if placement.is_last:
+        return hidden
+    model.comm.send_next(hidden)
+    return None
+
+
+@torch.no_grad()
+def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | None:
+    """Target logits at every prompt position, [B, Lmax, V] on the last rank (rows past a prompt's end are padding)."""
+    ids, _ = pad_right(prompts, model.device)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(len(prompts), -1)
+    hidden = pipeline_pass(model, ids, positions, new_cache(model.stage, len(prompts), ids.shape[1]))
+    return None if hidden is None else model.stage.logits(hidden).float().cpu()
+
+
+def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
+    if not request.prompts or any(len(p) == 0 for p in request.prompts):
+        raise SpecdoctorError("every prompt needs at least one token")
+    if len(request.limits()) != len(request.prompts) or min(request.limits()) < 1:
+        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
+    if not 0 <= request.num_speculative_tokens <= 8:
+        raise SpecdoctorError(f"num_speculative_tokens must be in 0..8, got {request.num_speculative_tokens}")
+    if request.num_speculative_tokens and cfg.num_nextn_predict_layers == 0:
+        raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
+    longest = max(len(p) + limit for p, limit in zip(request.prompts, request.limits(), strict=True))
+    if longest > cfg.max_position_embeddings:
+        raise SpecdoctorError(
+            f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
+        )
+
+
+class BatchState:
+    """One batch's decoding state on one rank: its caches, the last decision and how far each row got."""
+
+    def __init__(self, model: RankModel, request: GenerateRequest):
+        self.model, self.request, self.k = model, request, request.num_speculative_tokens
+        self.ids, self.lengths = pad_right(request.prompts, model.device)
+        batch = len(request.prompts)
+        # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
+        max_len = int(self.lengths.max()) + max(request.limits()) + 2 * self.k
+        self.cache = new_cache(model.stage, batch, max_len)
+        self.generator, self.drafts = None, None
+        if model.placement.is_last:
+            self.generator = torch.Generator(device=model.device)
+            seed = request.sampling.seed
+            self.generator.manual_seed(seed if seed is not None else torch.seed())
+            if self.k:
+                mtp_cache = new_cache(model.stage, batch, max_len, model.stage.config.mtp_layer_ids)
+                self.drafts = Drafts(model.drafter, mtp_cache, self.k, request.sampling, self.generator, model.device)
+        self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
+        self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
+        self.decision = torch.empty(batch, 2 * self.k + 2, dtype=torch.long, device=model.device)
+        self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
+        self.active = [True] * batch
+
+    def commit(self, count_metrics: bool) -> None:
+        request = self.request
+        self.active = commit(
+            self.result, self.decision, self.k, request.limits(), request.eos_token_ids, count_metrics, self.active
+        )
+
+    def prefill(self) -> None:
+        """The prompts through every rank; the last rank picks the first token and the first drafts."""
+        model, batch = self.model, len(self.request.prompts)
+        positions = torch.arange(self.ids.shape[1], device=model.device).expand(batch, -1)
+        hidden = pipeline_pass(model, self.ids, positions, self.cache)
+        if model.placement.is_last:
+            rows, last = torch.arange(batch, device=model.device), self.lengths - 1
+            logits = model.stage.logits(hidden[rows, last][:, None])
+            first = speculative_step(logits, None, None, None, self.request.sampling, self.generator)  # [B, 2]
+            self.decision.fill_(PLACEHOLDER)
+            self.decision[:, :2] = first
+            if self.drafts:
+                # The MTP input at each prompt position is the next token: the prompt's, then the first new one.
+                next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
+                    1, last[:, None], first[:, 1:2]
+                )
+                self.drafts.propose(next_tokens, hidden, positions, base=last)
+                self.decision[:, self.k + 2 :] = self.drafts.tokens
+        model.comm.broadcast_from_last(self.decision)
+        self.commit(count_metrics=False)
+
+    def step(self) -> None:
+        """Verify the pending token and the drafts in one pipeline pass; every rank commits the decision."""
+        model, k, decision = self.model, self.k, self.decision
+        pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
+        positions = self.filled[:, None] + torch.arange(k + 1, device=model.device)  # [B, k+1]
+        hidden = pipeline_pass(model, pending_and_drafts, positions, self.cache)
+        if model.placement.is_last:
+            logits = model.stage.logits(hidden)
+            self.decision = speculative_step(
+                logits, hidden, positions, self.drafts, self.request.sampling, self.generator
+            )
+        model.comm.broadcast_from_last(self.decision)
+        finish_device_work(model.device)
+
+    def advance(self) -> None:
+        # Finished rows stay in the batch but stop advancing, so they never outgrow the KV cache.
+        still = torch.tensor(self.active, device=self.model.device)
+        self.filled = torch.where(still, self.filled + self.decision[:, 0] + 1, self.filled)
+
+
+@torch.no_grad()
+def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> GenerateResult:
+    """Run one batch of prompts to completion; every rank returns the same result.
+    `on_step(result)` sees the result as it grows, after every step (for streaming)."""
+    check_request(request, model.stage.config)
+    state, times = BatchState(model, request), dict.fromkeys(STEP_PHASES, 0.0)
+    started = time.perf_counter()
+    state.prefill()
+    if on_step:
+        on_step(state.result)
+    times["prefill_s"] = time.perf_counter() - started
+    transfer_before, draft_before = model.comm.seconds, state.drafts.seconds if state.drafts else 0.0
+    while any(state.active):
+        step_start = time.perf_counter()
+        state.step()
+        computed = time.perf_counter()
+        state.commit(count_metrics=True)
+        state.advance()
+        if on_step:
+            on_step(state.result)
+        times["target_s"] += computed - step_start
+        times["host_s"] += time.perf_counter() - computed
+        times["steps"] += 1
+    times["decode_s"] = time.perf_counter() - started - times["prefill_s"]
+    times["transfer_s"] = model.comm.seconds - transfer_before
+    times["draft_s"] = state.drafts.seconds - draft_before if state.drafts else 0.0
+    times["target_s"] -= times["transfer_s"] + times["draft_s"]  # the step's compute, less what is accounted apart
+    state.result.rank_times = gather_times(model.comm, times)
+    return state.result
+
+
+def gather_times(comm: PipelineComm, times: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's phase times, on the first rank (which reports the result); [] on the others."""
+    gathered = comm.gather_to_first(
+        torch.tensor([times[name] for name in STEP_PHASES], dtype=torch.float64, device=comm.device)
+    )
+    if gathered is None:
+        return []
+    return [dict(zip(STEP_PHASES, row, strict=True)) for row in gathered.tolist()]

@@ -1,0 +1,1 @@
+"""Model families, one module each, found by the checkpoint's `architectures` (registry.py)."""

@@ -1,0 +1,166 @@
+"""The options that configure a pipeline runtime, declared once.
+
+Each field carries its flag spellings (the short ones and vLLM's, so a user can paste the flags
+of the vLLM command they deploy with) and its help text; `commands/options.py` turns the fields
+into typer options. The same object travels unchanged from the flags to the Engine and to every
+rank process. This module stays free of torch so that the CLI starts quickly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+from specdoctor.errors import SpecdoctorError
+
+
+class Choice(str, Enum):
+    """A closed set of string values: typer lists them as choices; formats as the bare value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EmbeddingPolicy(Choice):
+    """How the drafter's embedding is loaded (runtime/drafter/loading.py says which engines do each)."""
+
+    FIXED = "fixed"
+    ENGINE_LEGACY = "engine-legacy"
+    ALIAS_PLACEHOLDER = "alias-placeholder"
+
+
+class HeadPolicy(Choice):
+    """How the drafter's head (`shared_head.head`) is loaded."""
+
+    FIXED = "fixed"
+    ENGINE_LEGACY = "engine-legacy"
+    UNLOADED = "unloaded"
+
+
+class Fill(Choice):
+    """What a drafter tensor that no loader filled holds."""
+
+    EMPTY = "empty"  # whatever torch.empty gave: varies from run to run
+    ZEROS = "zeros"
+    NAN = "nan"
+    STALE = "stale"  # another weight's bytes, as a caching allocator's reused block
+
+
+class Device(Choice):
+    CPU = "cpu"  # gloo between ranks
+    CUDA = "cuda"  # NCCL between ranks
+
+
+class Dtype(Choice):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    def torch(self):
+        import torch
+
+        return getattr(torch, self.value)
+
+
+MAX_SPECULATIVE_TOKENS = 8
+
+
+def option(default, *flags: str, help: str, required: bool = False):
+    """A field with its command-line spellings and help (read by commands/options.py)."""
+    return field(default=default, metadata={"flags": flags, "help": help, "required": required})
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    model: str = option(
+        None, "--model", help="Checkpoint directory, a Hugging Face id in the local cache, or 'demo'.", required=True
+    )
+    pp: int = option(1, "--pp", "--pipeline-parallel-size", "-pp", help="Pipeline-parallel ranks (one process each).")
+    pp_partition: str | None = option(
+        None, "--pp-partition", help="Layers per rank, e.g. 14,12,12,7 (default: $VLLM_PP_LAYER_PARTITION, else even)."
+    )
+    tp: int = option(
+        1,
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        help="Tensor-parallel size (the runtime runs 1; check --repair verifies a TP rank's vocab shard).",
+    )
+    num_speculative_tokens: int = option(
+        0,
+        "--num-speculative-tokens",
+        help=f"Draft tokens per step (0 = plain decoding, at most {MAX_SPECULATIVE_TOKENS}).",
+    )
+    drafter_policy: EmbeddingPolicy = option(
+        EmbeddingPolicy.FIXED, "--drafter-policy", help="How the drafter's embedding is loaded."
+    )
+    head_policy: HeadPolicy = option(HeadPolicy.FIXED, "--head-policy", help="How the drafter's head is loaded.")
+    fill: Fill = option(Fill.EMPTY, "--fill", help="What unloaded drafter memory holds.")
+    device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
+    dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
+    timeout: float = option(60.0, "--timeout", help="Seconds a rank waits on a peer before failing.")
+
+    def __post_init__(self):
+        if not self.model:
+            raise SpecdoctorError("--model is required")
+        for spec in fields(self):  # the Python API may pass plain strings for the choices
+            if isinstance(spec.default, Choice):
+                kind = type(spec.default)
+                value = getattr(self, spec.name)
+                if value not in {choice.value for choice in kind}:
+                    allowed = ", ".join(choice.value for choice in kind)
+                    raise SpecdoctorError(
+                        f"{spec.metadata['flags'][0]}: unknown value {value!r} (choose from {allowed})"
+                    )
+                object.__setattr__(self, spec.name, kind(value))
+        if self.pp < 1:
+            raise SpecdoctorError(f"--pp must be at least 1, got {self.pp}")
+        if self.tp < 1:
+            raise SpecdoctorError(f"--tensor-parallel-size must be at least 1, got {self.tp}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SpecdoctorError(
+                f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.timeout <= 0:
+            raise SpecdoctorError(f"--timeout must be positive, got {self.timeout}")
+
+
+# vLLM's method names for MTP drafters (vllm/config/speculative.py: MTPModelTypes) all mean "mtp".
+MTP_METHODS = (
+    "mtp",
+    "deepseek_mtp",
+    "glm4_moe_mtp",
+    "glm4_moe_lite_mtp",
+    "glm5_next_mtp",
+    "qwen3_next_mtp",
+    "qwen3_5_mtp",
+    "mimo_mtp",
+    "mimo_v2_mtp",
+)
+
+
+def speculative_tokens_from_config(text: str) -> int:
+    """k from vLLM's `--speculative-config` JSON; keys the runtime cannot honour are refused, not ignored."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecdoctorError(f"--speculative-config is not valid JSON ({err.msg})") from None
+    if not isinstance(config, dict):
+        raise SpecdoctorError("--speculative-config must be a JSON object")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise SpecdoctorError(
+            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method and "
+            "num_speculative_tokens)"
+        )
+    method = config.get("method", "mtp")
+    if method not in MTP_METHODS:
+        raise SpecdoctorError(
+            f"--speculative-config: method {method!r} is not an MTP method ({', '.join(MTP_METHODS)})"
+        )
+    k = config.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
+    return k

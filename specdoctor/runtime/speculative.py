@@ -1,0 +1,123 @@
+"""The speculative step, top to bottom: propose, verify, accept, commit.
+
+Vocabulary (docs/engine-semantics.md §Verification): q is the drafter's distribution, p the
+target's. The drafter proposes k tokens; the target scores the pending token and the k drafts in
+one pass; draft j is *accepted* while it passes; at the first failure the target's *recovered*
+token replaces it and the step ends; if all k pass, the target's distribution after the last draft
+gives a *bonus* token. A step therefore emits accepted + 1 tokens. The last pipeline rank runs
+`Drafts.propose` and `speculative_step`; every rank runs `commit` on the decision it broadcasts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.sampling import SamplingParams, probabilities, sample
+from specdoctor.runtime.verify import verify_greedy, verify_random
+
+
+def finish_device_work(device: torch.device) -> None:
+    """CUDA runs ahead of the host: wait for it, so each phase's time is its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Drafts:
+    """The last rank's proposals: tokens [B, k] and, when sampling, their distributions q [B, k, V]."""
+
+    def __init__(self, drafter, cache: KVCache, k: int, sampling: SamplingParams, generator, device):
+        self.drafter, self.cache, self.k, self.sampling, self.generator = drafter, cache, k, sampling, generator
+        self.tokens = torch.zeros(cache.batch, 0, dtype=torch.long, device=device)
+        self.probs: torch.Tensor | None = None
+        self.seconds = 0.0  # time spent proposing, for the step profile
+
+    def propose(
+        self,
+        next_tokens: torch.Tensor,  # [B, T] the token after each position
+        hidden: torch.Tensor,  # [B, T, H] target hidden states (last layer, before the final norm)
+        positions: torch.Tensor,  # [B, T]
+        base: torch.Tensor,  # [B] index of the last accepted position: the chain starts there
+    ) -> None:
+        """MTP step 0 over every new position (filling its KV cache), then k-1 chained steps from `base`,
+        each fed the drafter's own hidden state and its own proposal."""
+        start = time.perf_counter()
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        out, logits = self.drafter(next_tokens, hidden, positions, step=0, cache=self.cache)
+        out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
+        tokens, probs = [], []
+        for step in range(self.k):
+            token, q = self._pick(logits)  # [B], [B, V] or None
+            tokens.append(token)
+            probs.append(q)
+            if step + 1 < self.k:
+                position = position + 1
+                out, step_logits = self.drafter(token[:, None], out, position, step=step + 1, cache=self.cache)
+                logits = step_logits[:, 0]
+        self.tokens = torch.stack(tokens, dim=1)
+        self.probs = None if self.sampling.greedy else torch.stack(probs, dim=1)
+        finish_device_work(self.tokens.device)
+        self.seconds += time.perf_counter() - start
+
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
+        if self.sampling.greedy:
+            return logits.argmax(-1), None
+        q = probabilities(logits, self.sampling)
+        return sample(q, self.generator), q
+
+
+def speculative_step(
+    target_logits: torch.Tensor,  # [B, k+1, V] p's logits at the pending token and each draft
+    hidden: torch.Tensor,  # [B, k+1, H] target hidden states at the same positions
+    positions: torch.Tensor,  # [B, k+1]
+    drafts: Drafts | None,  # None for plain decoding (k = 0)
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The last rank's step. Returns the decision every rank commits, [B, 2k+2]: accepted count n,
+    the emitted tokens (n accepted drafts, then one recovered or bonus token; padded), the next k drafts."""
+    batch = target_logits.shape[0]
+    draft_tokens = drafts.tokens if drafts else target_logits.new_zeros(batch, 0, dtype=torch.long)  # [B, k]
+    # Verify: accept the longest passing prefix, then one recovered or bonus token from p.
+    if sampling.greedy:
+        accepted, emitted = verify_greedy(draft_tokens, target_logits)  # [B], [B, k+1]
+    else:
+        p = probabilities(target_logits, sampling)  # [B, k+1, V]
+        q = drafts.probs if drafts else p[:, :0]  # [B, k, V]
+        uniform = torch.rand(draft_tokens.shape, generator=generator, device=target_logits.device)
+        accepted, emitted = verify_random(draft_tokens, q, p, uniform, generator)
+    # Propose the next drafts: the MTP input at position L+j is token L+j+1, i.e. the accepted drafts,
+    # then the newly emitted token at index n; the chain continues from the last accepted position.
+    if drafts:
+        new_token = emitted.gather(1, accepted[:, None])  # [B, 1]
+        next_tokens = torch.cat([draft_tokens, new_token], dim=1).scatter(1, accepted[:, None], new_token)
+        drafts.propose(next_tokens, hidden, positions, base=accepted)
+    return torch.cat([accepted[:, None], emitted, drafts.tokens if drafts else draft_tokens], dim=1)
+
+
+def commit(result, decision: torch.Tensor, k: int, limits: list[int], eos_ids, count_metrics: bool, active=None):
+    """Append each active sequence's emitted tokens, stopping at EOS or its limit; returns which rows
+    go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)] (see above)."""
+    active = active or [True] * len(result.tokens)
+    still = []
+    for row, (n, *rest) in enumerate(decision.tolist()):
+        if not active[row]:
+            still.append(False)
+            continue
+        if count_metrics and k:
+            result.metrics.record(n, k)
+            result.row_metrics[row].record(n, k)
+        for token in rest[: n + 1]:
+            if token in eos_ids:
+                result.finish_reasons[row] = "stop"
+                break
+            result.tokens[row].append(token)
+            if len(result.tokens[row]) >= limits[row]:
+                result.finish_reasons[row] = "length"
+                break
+        still.append(not result.finish_reasons[row])
+        if still[-1]:
+            result.proposals += rest[k + 1 :]  # the drafts this sequence's next step will verify
+    return still
