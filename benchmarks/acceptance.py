@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
 from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.demo_corpus import held_out_prompts
@@ -51,8 +52,11 @@ def main() -> None:
     for policy, head, fill in BROKEN:
         options = RuntimeOptions("demo", pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill)
         with Engine(options, show_progress=True) as engine:
-            result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
-            rows.append((policy, head, fill, 3, result.tokens == plain, result.metrics.to_dict()))
+            try:
+                result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
+                rows.append((policy, head, fill, 3, result.tokens == plain, result.metrics.to_dict()))
+            except PipelineError as crash:  # an aliased placeholder fails the first draft step, as in vLLM
+                rows.append((policy, head, fill, 3, None, {"crash": str(crash).splitlines()[0]}))
 
     table = Table(title=f"Demo model, PP {args.pp}, {args.prompts} held-out prompts x {args.new_tokens} tokens, greedy")
     for column in (
@@ -67,6 +71,9 @@ def main() -> None:
     ):
         table.add_column(column)
     for policy, head, fill, k, lossless, m in rows:
+        if "crash" in m:
+            table.add_row(policy, head, fill, str(k), "crashed", "-", "-", m["crash"][:60])
+            continue
         table.add_row(
             policy,
             head,

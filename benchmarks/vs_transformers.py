@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("runs/vs_transformers.json"))
     args = parser.parse_args()
-    codec = TextCodec(DEMO_DIR)
+    codec = TextCodec(DEMO_DIR / "tokenizer.json")
     prompts = [codec.encode(entry["prompt"]) for entry in load_battery(None)]
     torch.set_num_threads(os.cpu_count() or 1)  # what a PP 1 rank gets
     reference = Glm4MoeForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()

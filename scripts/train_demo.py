@@ -111,8 +111,8 @@ class DemoModel(torch.nn.Module):
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # batch: [B, T]
         length = batch.shape[1]
         positions = torch.arange(length).expand(batch.shape[0], -1)
-        hidden = self.target(batch, positions)
-        logits = self.target.logits(hidden)
+        # The drafter is fed the target's output after its final norm, as engines serve it.
+        hidden, logits = self.target.head(self.target(batch, positions))
         main = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
         total, parts = main, [main.item()]
         prev = hidden
@@ -120,7 +120,7 @@ class DemoModel(torch.nn.Module):
             # Step j at index i: token i+j+1 and the previous hidden state predict token i+j+2.
             usable = length - step - 2
             tokens = batch[:, step + 1 : step + 1 + usable]
-            prev, draft_logits = self.drafter(tokens, prev[:, :usable], positions[:, :usable] + step, step)
+            prev, draft_logits = self.drafter(tokens, prev[:, :usable], positions[:, :usable] + step)
             target = batch[:, step + 2 : step + 2 + usable]
             mtp = F.cross_entropy(draft_logits.flatten(0, 1), target.flatten())
             total = total + weight * mtp

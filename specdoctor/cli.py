@@ -6,12 +6,14 @@ Exit codes: 0 healthy, 1 findings, 2 bad usage or unreadable input (one line on 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from specdoctor.commands import bench, check, generate, inspect, probe, serve
 from specdoctor.errors import SpecdoctorError
+from specdoctor.report import CheckReport, ProbeReport, error_report
 
 try:  # typer >= 0.25 parses with its own copy of click, and raises that copy's exceptions
     from typer._click import exceptions as click_exceptions
@@ -33,7 +35,32 @@ app.command("generate")(generate.generate)
 app.command("bench")(bench.bench)
 
 
+# The commands whose --json takes a destination (FILE or -), and the schema of their report.
+JSON_REPORTS = {
+    "check": CheckReport.schema,
+    "repair": CheckReport.schema,
+    "probe": ProbeReport.schema,
+    "bench": bench.SCHEMA,
+}
+
+
+def write_error_report(argv: list[str], message: str) -> None:
+    """With `--json FILE|-`, a report is written on every exit, exit 2 included (an `error` object)."""
+    if not argv or argv[0] not in JSON_REPORTS or "--json" not in argv[:-1]:
+        return
+    destination = argv[argv.index("--json") + 1]
+    text = error_report(JSON_REPORTS[argv[0]], message)
+    if destination == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        Path(destination).write_text(text, encoding="utf-8")
+    except OSError:
+        pass  # the one-line error below is all that can be said
+
+
 def fail(message: str) -> None:
+    write_error_report(sys.argv[1:], message)
     Console(stderr=True).print(f"specdoctor: error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(2)
 

@@ -24,6 +24,12 @@ class Finding:
     data: dict = field(default_factory=dict)
 
 
+# The two independent kinds of evidence about a drafter: its weights' content against the checkpoint,
+# and its behaviour. The runtime's own provenance label is context, not evidence about an engine.
+CONTENT_SIGNALS = ("drafter.alias", "drafter.stats", "drafter.fingerprint")
+BEHAVIOUR_SIGNALS = ("behaviour.acceptance", "behaviour.constant_proposals", "behaviour.crash", "behaviour.lossless")
+
+
 @dataclass
 class StageResult:
     """One run of the loaded-drafter and behaviour stages (before or after the repair)."""
@@ -33,6 +39,14 @@ class StageResult:
     findings: list[Finding] = field(default_factory=list)
     drafter: dict = field(default_factory=dict)
     behaviour: dict = field(default_factory=dict)
+
+    def signals(self) -> dict[str, list[str]]:
+        """The content and behaviour checks that found an error in this stage."""
+        errors = {f.check for f in self.findings if f.severity == "error"}
+        return {
+            "content": [c for c in CONTENT_SIGNALS if c in errors],
+            "behaviour": [c for c in BEHAVIOUR_SIGNALS if c in errors],
+        }
 
 
 class Report:
@@ -90,14 +104,14 @@ class CheckReport(Report):
     def comparison(self) -> list[dict]:
         rows = []
         for stage in self.stages:
-            metrics = stage.behaviour["metrics"]
+            metrics = stage.behaviour["metrics"] or {}  # none when the battery crashed the pipeline
             rows.append(
                 {
                     "stage": stage.name,
                     "policy": stage.policy,
-                    "mean_acceptance_length": metrics["mean_acceptance_length"],
-                    "acceptance_rate": metrics["acceptance_rate"],
-                    "per_position_acceptance_rate": metrics["per_position_acceptance_rate"],
+                    "mean_acceptance_length": metrics.get("mean_acceptance_length"),
+                    "acceptance_rate": metrics.get("acceptance_rate"),
+                    "per_position_acceptance_rate": metrics.get("per_position_acceptance_rate"),
                     "battery": stage.behaviour["battery"],
                 }
             )
@@ -110,7 +124,7 @@ class CheckReport(Report):
             "settings": self.settings,
             "placement": self.placement,
             "preflight": [asdict(f) for f in self.preflight],
-            "stages": [asdict(s) for s in self.stages],
+            "stages": [{**asdict(s), "signals": s.signals()} for s in self.stages],
             "repair": asdict(self.repair) if self.repair is not None else None,
             "repair_findings": [asdict(f) for f in self.repair_findings],
             "comparison": self.comparison(),
@@ -125,6 +139,7 @@ class ProbeReport(Report):
     schema: ClassVar[str] = "specdoctor.probe/1"
     url: str
     served_model: str
+    engine: str  # what /v1/models says owns the model: vllm, sglang, specdoctor, ...
     settings: dict
     source: str  # where the acceptance figures came from: per-request, sglang, metrics or none
     battery: str  # "n/n answered"
@@ -139,6 +154,7 @@ class ProbeReport(Report):
             "schema": self.schema,
             "url": self.url,
             "model": self.served_model,
+            "engine": self.engine,
             "settings": self.settings,
             "source": self.source,
             "battery": self.battery,
@@ -146,6 +162,12 @@ class ProbeReport(Report):
             "findings": [asdict(f) for f in self.findings],
             "verdict": self.verdict_dict(),
         }
+
+
+def error_report(schema: str, message: str) -> str:
+    """The JSON of a run that could not judge anything (exit 2): what went wrong, as one line."""
+    verdict = {"healthy": False, "exit_code": 2, "summary": message}
+    return json.dumps({"schema": schema, "error": {"message": message}, "verdict": verdict}, indent=2) + "\n"
 
 
 def to_json(report: Report) -> str:
@@ -181,14 +203,14 @@ def findings_table(title: str, findings: list[Finding]) -> Table:
     return table
 
 
-def acceptance_row(metrics: dict) -> list[str]:
-    """mean acceptance length, acceptance rate and per-position rates, as table cells."""
-    rates = metrics.get("per_position_acceptance_rate") or []
-    rate = metrics.get("acceptance_rate")
+def acceptance_row(metrics: dict | None) -> list[str]:
+    """mean acceptance length, acceptance rate and per-position rates, as table cells ("-" where unknown)."""
+    metrics = metrics or {}
+    mean, rate = metrics.get("mean_acceptance_length"), metrics.get("acceptance_rate")
     return [
-        f"{metrics['mean_acceptance_length']:.2f}",
+        "-" if mean is None else f"{mean:.2f}",
         "-" if rate is None else f"{rate:.1%}",
-        " ".join(f"{r:.0%}" for r in rates) or "-",
+        " ".join(f"{r:.0%}" for r in metrics.get("per_position_acceptance_rate") or []) or "-",
     ]
 
 

@@ -29,10 +29,14 @@ def test_bench_compares_speculative_with_plain_decoding_per_pipeline_size(two_pr
         assert row["lossless"] and row["tokens"] == 24 and row["tokens_per_s"] > 0
         assert len(row["rank_times"]) == row["pp"]
         split = row["last_rank_ms_per_step"]
-        # The split accounts for the whole step: the phases add up to the step time.
-        assert sum(split.values()) == pytest.approx(row["step_ms"], rel=0.05, abs=0.05)
+        # target is what is left of the step after draft and transfer: over-counting either drives it negative.
+        assert split["target"] > 0 and split["host"] > 0
         assert (split["draft"] > 0) == (row["k"] > 0)
         assert (split["transfer"] > 0) == (row["pp"] > 1)
+        # The profiler counts steps on the last rank, the metrics count drafts as each rank commits: at batch 1
+        # every decode step drafts once, so the two independent counts agree (plain decoding: one token a
+        # step, after the first token of each of the 2 prompts, which the prefill emits).
+        assert row["steps"] == (row["num_drafts"] if row["k"] else row["tokens"] - 2)
     plain, speculative = report["rows"][2], report["rows"][3]
     assert plain["mean_acceptance_length"] == 1.0 and speculative["mean_acceptance_length"] > 1.4
     assert speculative["steps"] < plain["steps"]  # accepted drafts mean fewer steps for the same tokens

@@ -122,8 +122,12 @@ def test_a_shard_cut_short_after_opening_is_a_clear_error(copy):
 def test_first_present_candidate_follows_the_documented_order(copy):
     checkpoint = Checkpoint(copy)
     candidates = embedding_candidates(checkpoint.config)
-    assert candidates[:2] == ["model.language_model.embed_tokens.weight", "model.embed_tokens.weight"]
-    assert candidates[-1] == "model.layers.2.embed_tokens.weight"
+    # The MTP layer's own copy first (where shipped it is what the drafter must hold), then the target's keys.
+    assert candidates[:3] == [
+        "model.layers.2.embed_tokens.weight",
+        "model.language_model.embed_tokens.weight",
+        "model.embed_tokens.weight",
+    ]
     assert checkpoint.first_present(candidates) == "model.embed_tokens.weight"
     assert checkpoint.first_present(["nope", "lm_head.weight"]) == "lm_head.weight"
     assert checkpoint.first_present(["nope"]) is None

@@ -98,13 +98,20 @@ def test_embedding_is_ignored_at_position_zero_only(hf_checkpoint):
     assert not torch.allclose(a[:, 1], c[:, 1])  # later tokens do
 
 
-def test_chain_step_picks_mtp_layer_by_step_modulo_layer_count(tmp_path):
-    make_hf_checkpoint(tmp_path, seed=9, num_nextn_predict_layers=2)
-    _, drafter, provenance = load_target_and_drafter(Checkpoint(tmp_path))
+def test_every_chain_step_runs_the_first_mtp_layer_as_vllm_does(tmp_path):
+    """vLLM 0.32's proposer never passes spec_step_idx, so with two MTP layers every draft step runs
+    layer N (the model code's `spec_step_idx % num_mtp_layers` with its default 0)."""
+    hf_config = make_hf_checkpoint(tmp_path, seed=9, num_nextn_predict_layers=2).config
+    checkpoint = Checkpoint(tmp_path)
+    _, drafter, provenance = load_target_and_drafter(checkpoint)
     assert not provenance.unfilled() and sorted(drafter.layers) == ["4", "5"]
     tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(1, 4)[None]
     prev = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(10))
+    embedding = checkpoint.read("model.embed_tokens.weight")
     with torch.no_grad():
-        outputs = [drafter(tokens, prev, positions, step=s)[1] for s in range(3)]
-    torch.testing.assert_close(outputs[0], outputs[2])
-    assert not torch.allclose(outputs[0], outputs[1])
+        _, logits = drafter(tokens, prev, positions)
+        expected = {
+            layer: reference_step(checkpoint, hf_config, layer, embedding, tokens, prev, positions) for layer in (4, 5)
+        }
+    torch.testing.assert_close(logits, expected[4][1], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(logits, expected[5][1], rtol=1e-3, atol=1e-3)

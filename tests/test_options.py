@@ -13,22 +13,26 @@ import pytest
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import DEMO_DIR, Checkpoint
-from specdoctor.runtime.options import RuntimeOptions, speculative_tokens_from_config
+from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
 from tests.test_check import specdoctor
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specdoctor"
 
 
 def generate_json(*flags: str) -> dict:
-    result = specdoctor("generate", "--model", "demo", "--prompt", "def main(", "--max-tokens", "12", "--json", *flags)
+    args = ("generate", "--model", "demo", "--prompt", "def main(", "--max-tokens", "12", "--json")
+    result = specdoctor(*args, *flags)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def test_vllm_spellings_run_the_same_engine_as_the_short_flags():
     short = generate_json("--pp", "2", "--num-speculative-tokens", "2")
-    vllm = generate_json("--pipeline-parallel-size", "2", "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}')
-    dash = generate_json("-pp", "2", "--tensor-parallel-size", "1", "--speculative-config", '{"num_speculative_tokens":2}')
+    config = '{"method":"mtp","num_speculative_tokens":2}'
+    vllm = generate_json("--pipeline-parallel-size", "2", "--speculative-config", config)
+    dash = generate_json(
+        "-pp", "2", "--tensor-parallel-size", "1", "--speculative-config", '{"num_speculative_tokens":2}'
+    )
     assert short["pp"] == vllm["pp"] == dash["pp"] == 2
     assert short["num_speculative_tokens"] == vllm["num_speculative_tokens"] == 2
     assert short["outputs"] == vllm["outputs"] == dash["outputs"]
@@ -61,7 +65,10 @@ def test_bad_runtime_flags_exit_2_with_one_line(flags, message):
 
 def test_speculative_config_accepts_every_mtp_method_name_vllm_registers():
     for method in ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mimo_mtp"):
-        assert speculative_tokens_from_config(json.dumps({"method": method, "num_speculative_tokens": 3})) == 3
+        config = json.dumps({"method": method, "num_speculative_tokens": 3})
+        assert options_from_speculative_config(config) == {"num_speculative_tokens": 3}
+    sampled = '{"num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}'
+    assert options_from_speculative_config(sampled)["draft_sample_method"] == "probabilistic"
 
 
 def test_python_api_accepts_strings_for_choices_and_names_a_bad_one():
@@ -127,7 +134,8 @@ def test_the_runtime_never_imports_checks_commands_or_the_server():
 
 def test_every_runtime_option_is_declared_once():
     """The option names appear as declarations only in RuntimeOptions: no command re-declares them."""
-    names = [f"--{name.replace('_', '-')}" for name in ("drafter_policy", "head_policy", "fill", "dtype", "pp_partition")]
+    fields = ("drafter_policy", "head_policy", "fill", "dtype", "pp_partition")
+    names = [f"--{name.replace('_', '-')}" for name in fields]
     declared = {
         path.relative_to(PACKAGE).as_posix()
         for path in PACKAGE.rglob("*.py")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,9 +16,10 @@ import httpx
 import pytest
 
 from specdoctor.probe import prometheus
-from specdoctor.probe.client import acceptance, probe_findings
+from specdoctor.probe.client import acceptance, enable_hint, probe_findings
 from specdoctor.runtime.metrics import SpecMetrics
-from tests.test_server import Server, free_port
+from tests.helpers.servers import SpecdoctorServer as Server
+from tests.helpers.servers import free_port
 
 VLLM_SAMPLE = """\
 # HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
@@ -102,8 +105,32 @@ def test_broken_drafter_fails_with_its_signature(servers, tmp_path):
 def test_speculative_decoding_off_is_reported(servers):
     result = probe(servers["off"].url, "--json", "-")
     assert result.returncode == 1
-    findings = json.loads(result.stdout)["findings"]
+    report = json.loads(result.stdout)
+    findings = report["findings"]
     assert [f["check"] for f in findings] == ["probe.enabled"] and "not enabled" in findings[0]["message"]
+    # The hint names the flag of the engine that /v1/models says serves the model.
+    assert report["engine"] == "specdoctor" and "--num-speculative-tokens" in findings[0]["hint"]
+
+
+def test_each_engine_is_told_its_own_flag():
+    assert "--speculative-config" in enable_hint("vllm") and "--speculative-algorithm" in enable_hint("sglang")
+    assert all(flag in enable_hint("") for flag in ("--speculative-config", "--speculative-algorithm"))
+
+
+def test_a_deployment_that_errors_while_decoding_is_a_finding_not_bad_input(tmp_path):
+    """A rank dies: the server stays up and answers every completion with an error. The probe judged the
+    deployment (exit 1, the error quoted), it did not fail to reach it (exit 2)."""
+    server = Server("--pp", "2", "--num-speculative-tokens", "3")
+    try:
+        os.kill(server.rank_pids[1], signal.SIGKILL)
+        result = probe(server.url, "--json", str(tmp_path / "report.json"))
+    finally:
+        server.stop()
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    errors = [f for f in report["findings"] if f["check"] == "probe.errors"]
+    assert errors and "9 of 9 completions failed" in errors[0]["message"] and "answered 50" in errors[0]["message"]
+    assert report["battery"] == "0/9 answered" and report["verdict"]["exit_code"] == 1
 
 
 def test_other_traffic_is_excluded_by_per_request_figures(servers):
@@ -132,10 +159,13 @@ def test_other_traffic_is_excluded_by_per_request_figures(servers):
     assert report["metrics"]["num_drafts"] < after.num_drafts - before.num_drafts
 
 
-def test_unreachable_server_exits_2():
-    result = probe(f"http://127.0.0.1:{free_port()}")
+def test_unreachable_server_exits_2_and_still_writes_the_json_report():
+    result = probe(f"http://127.0.0.1:{free_port()}", "--json", "-")
     assert result.returncode == 2
     assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
+    report = json.loads(result.stdout)
+    assert report["schema"] == "specdoctor.probe/1" and "cannot reach the server" in report["error"]["message"]
+    assert report["verdict"] == {"healthy": False, "exit_code": 2, "summary": report["error"]["message"]}
 
 
 def test_a_server_that_is_not_openai_compatible_exits_2():

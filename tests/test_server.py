@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,37 +19,11 @@ import pytest
 
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from specdoctor.server.protocol import PLAIN_CHAT_TEMPLATE, ChatMessage, render_chat
+from tests.helpers.servers import SpecdoctorServer as Server
+from tests.helpers.servers import free_port
 from tests.test_cli import rename_key
 
 PROMPTS = ["def read_config(path):\n", "class Parser:\n    def __init__(self", "import os\nimport sys\n"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *args: str, model: str = "demo"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    self.rank_pids = httpx.get(f"{self.url}/health").json()["rank_pids"]
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise AssertionError(f"server did not start: {self.process.communicate(timeout=30)}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
 
 
 def alive(pid: int) -> bool:

@@ -60,14 +60,32 @@ def test_rejection_sampling_keeps_the_target_distribution(k, backend, sizes, mon
         assert ((freq - p[0]).abs() <= bound).all(), (freq, p[0], bound)
 
 
-def test_rejection_sampling_would_notice_a_biased_verifier():
-    """The statistical bound is tight enough to fail: q's distribution alone is far outside it."""
+def test_greedy_drafts_verified_as_one_hot_keep_the_target_distribution():
+    """vLLM's default draft_sample_method: the drafter's argmax, verified as a one-hot q. The output is
+    still distributed as p whichever token the drafter insists on."""
+    generator = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(3, 6, generator=generator) * 1.5, -1)
+    n = 200_000
+    bound = 5 * (p[0] * (1 - p[0]) / n).sqrt()
+    for insisted in (int(p[0].argmax()), int(p[0].argmin())):
+        one_hot = torch.nn.functional.one_hot(torch.tensor([insisted, 1]), 6).float()
+        freq = first_token_frequencies(p, one_hot, 2, n, seed=insisted)
+        assert ((freq - p[0]).abs() <= bound).all(), (insisted, freq, p[0])
+
+
+def test_the_distribution_bound_catches_a_verifier_that_accepts_every_draft():
+    """The same measurement through verify_random, with the uniform draws forced to 0 so every draft is
+    accepted (a verifier that ignores p): the first token then follows q and lands outside the bound."""
     generator = torch.Generator().manual_seed(1)
     p = torch.softmax(torch.randn(2, 6, generator=generator) * 1.5, -1)
     q = torch.softmax(torch.randn(1, 6, generator=generator) * 1.5, -1)
     n = 200_000
+    drafts = torch.multinomial(q[0].expand(n, -1), 1, replacement=True, generator=generator)
+    _, emitted = verify_random(drafts, q.expand(n, -1, -1), p.expand(n, -1, -1), torch.zeros(n, 1), generator)
+    freq = torch.bincount(emitted[:, 0], minlength=6).float() / n
     bound = 5 * (p[0] * (1 - p[0]) / n).sqrt()
-    assert ((q[0] - p[0]).abs() > bound).any()
+    assert ((freq - p[0]).abs() > bound).any()
+    torch.testing.assert_close(freq, q[0], atol=0.01, rtol=0)  # it measured q: the verifier it stands for
 
 
 def test_identical_draft_and_target_accept_everything():

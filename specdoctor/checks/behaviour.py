@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from specdoctor.checks.acceptance import acceptance_findings
+from specdoctor.checks.acceptance import acceptance_findings, bigram_baseline
 from specdoctor.report import Finding
 
 CONSTANT_PROPOSALS_MIN_COUNT = 20  # drafts needed before their spread means anything
@@ -36,16 +36,33 @@ def run_battery(
     lossless = [a == b for a, b in zip(plain, result.tokens, strict=True)]
     metrics = result.metrics.to_dict()
     profile = proposal_profile(result.proposals)
+    baseline = bigram_baseline(plain)  # how predictable the target's own output is, token by token
     return {
         "battery": f"{sum(lossless)}/{len(lossless)}",
         "lossless": lossless,
         "metrics": metrics,
         "proposals": profile,
-        "findings": behaviour_findings(lossless, metrics, profile, k, min_length, stage),
+        "bigram_baseline": baseline,
+        "findings": behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline),
     }
 
 
-def behaviour_findings(lossless, metrics, profile, k, min_length, stage) -> list[Finding]:
+def crashed_battery(error: str, stage: str) -> dict:
+    """The behaviour stage of a drafter whose first draft step brought the pipeline down."""
+    first_line = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    finding = Finding(
+        "behaviour.crash",
+        "error",
+        f"speculative decoding crashed the pipeline: {first_line}",
+        "the drafter holds something that is not a weight (see drafter.alias); the engine dies on the first "
+        "request, as vLLM's does; repair the drafter (specdoctor check --repair)",
+        stage,
+        {"error": error},
+    )
+    return {"battery": "crashed", "lossless": [], "metrics": None, "proposals": None, "findings": [finding]}
+
+
+def behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline=None) -> list[Finding]:
     findings = []
     mean, rates = metrics["mean_acceptance_length"], metrics["per_position_acceptance_rate"]
     passed = sum(lossless)
@@ -75,7 +92,7 @@ def behaviour_findings(lossless, metrics, profile, k, min_length, stage) -> list
     summary = (
         f"mean acceptance length {mean:.2f} (counts the bonus token), acceptance rate {metrics['acceptance_rate']:.1%}"
     )
-    findings += acceptance_findings("behaviour", summary, mean, rates, min_length, stage)
+    findings += acceptance_findings("behaviour", summary, mean, rates, min_length, stage, baseline)
     if profile["count"] >= CONSTANT_PROPOSALS_MIN_COUNT and profile["top_share"] >= CONSTANT_PROPOSALS_SHARE:
         severity = "error" if mean < min_length else "warning"
         findings.append(

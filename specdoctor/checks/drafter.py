@@ -43,20 +43,38 @@ def provenance_finding(unfilled: list[str], stage: str) -> Finding:
     )
 
 
+# An embedding or head whose rows are (nearly) all zero or all the same proposes one token whatever the
+# context: true of any model, with or without the checkpoint to compare against.
+DEGENERATE_FRACTION = 0.99
+
+
 def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
     findings = []
     stats = {**stats, "name": name}
     summary = (
         f"NaN {stats['nan']}, Inf {stats['inf']}, zeros {stats['zero_fraction']:.0%}, "
         f"mean {stats['mean']:.3g}, std {stats['std']:.3g}, absmax {stats['absmax']:.3g}"
+        if "nan" in stats
+        else f"{stats['numel']:,} values"
     )
-    if stats["nan"] or stats["inf"]:
+    if stats.get("nan") or stats.get("inf"):
         findings.append(
             Finding(
                 "drafter.stats",
                 "error",
                 f"drafter {name} holds non-finite values ({summary})",
                 "the tensor was never loaded; repair it from the checkpoint",
+                stage,
+                stats,
+            )
+        )
+    elif degenerate(name, stats):
+        findings.append(
+            Finding(
+                "drafter.stats",
+                "error",
+                f"drafter {name}: {degenerate(name, stats)} ({summary})",
+                "a table whose rows are all zero or all equal was never loaded; repair it from the checkpoint",
                 stage,
                 stats,
             )
@@ -73,7 +91,7 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
                 stats,
             )
         )
-    if name.endswith("norm.weight") and abs(stats["mean"]) < 0.1:
+    if name.endswith("norm.weight") and "mean" in stats and abs(stats["mean"]) < 0.1:
         findings.append(
             Finding(
                 "drafter.norms",
@@ -85,3 +103,14 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
             )
         )
     return findings
+
+
+def degenerate(name: str, stats: dict) -> str | None:
+    """Why an embedding or head table cannot be a trained one, or None."""
+    if not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+        return None
+    if stats.get("zero_fraction", 0.0) >= DEGENERATE_FRACTION:
+        return f"{stats['zero_fraction']:.0%} of its values are zero"
+    if stats.get("duplicate_row_fraction", 0.0) >= DEGENERATE_FRACTION:
+        return f"{stats['duplicate_row_fraction']:.0%} of its rows repeat another row"
+    return None

@@ -13,6 +13,7 @@ from specdoctor.runtime.drafter.keys import (
     own_head_key,
     target_embedding_key,
 )
+from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.partition import Placement
 
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
@@ -20,6 +21,7 @@ FLOAT_DTYPES = {"F32", "BF16", "F16"}
 
 def preflight(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
     findings = config_sanity(checkpoint) + mtp_tensors(checkpoint) + embedding_source(checkpoint, ranks)
+    findings += engine_placement(checkpoint, ranks) + quantization(checkpoint)
     return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
 
 
@@ -160,3 +162,40 @@ def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Fin
             )
         )
     return findings
+
+
+def ranks_without_moe_layer(config, ranks: list[Placement]) -> list[int]:
+    """The ranks vLLM's model refuses to build for a family that needs an MoE layer on every rank."""
+    if not (config.n_routed_experts and family_of(config).needs_moe_layer_per_rank):
+        return []
+    return [r.rank for r in ranks if not any(config.is_moe_layer(layer) for layer in r.layers)]
+
+
+def engine_placement(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+    refused = ranks_without_moe_layer(checkpoint.config, ranks)
+    if not refused:
+        return []
+    where = ", ".join(f"rank {r} (layers [{ranks[r].layers.start}, {ranks[r].layers.stop}))" for r in refused)
+    return [
+        Finding(
+            "placement.moe_layer",
+            "warning",
+            f"vLLM 0.32's {checkpoint.config.architecture} refuses to build {where}: no MoE layer there "
+            "('No Glm4MoE layer found in model.layers.')",
+            "give every rank an MoE layer (--pp-partition or VLLM_PP_LAYER_PARTITION); specdoctor's runtime runs it",
+            data={"ranks": refused},
+        )
+    ]
+
+
+def quantization(checkpoint: Checkpoint) -> list[Finding]:
+    if not checkpoint.quantization:
+        return []
+    return [
+        Finding(
+            "quantization",
+            "info",
+            f"weights are quantised: {checkpoint.quantization}",
+            data={"quantization_config": checkpoint.raw_config.get("quantization_config")},
+        )
+    ]

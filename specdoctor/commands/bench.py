@@ -24,6 +24,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.options import RuntimeOptions
 
+SCHEMA = "specdoctor.bench/1"
 # Speculative against plain decoding at each PP size and k; k = 0 is always measured.
 BENCH_SWEEPS = dict(pp=[1], num_speculative_tokens=[1, 2, 3, 4, 5])
 
@@ -104,6 +105,7 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
         "speedup": speedup,
         "mean_acceptance_length": length,
         "acceptance_rate": run.metrics.acceptance_rate,
+        "num_drafts": run.metrics.num_drafts,
         "speedup_per_acceptance_length": speedup / length,
         "lossless": run.tokens == plain.tokens,
         "steps": int(steps),
@@ -116,16 +118,15 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
 
 
 def run_bench(options: BenchOptions, show_progress: bool) -> dict:
-    from specdoctor.battery import load_battery
+    from specdoctor.battery import battery_prompts
     from specdoctor.runtime.checkpoint import Checkpoint
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.runtime.tokenizer import load_codec
 
     if options.batch_size < 1 or options.max_tokens < 1:
         raise SpecdoctorError("--batch-size and --max-tokens must be at least 1")
     checkpoint = Checkpoint(options.runtime.model)
-    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
-    prompts = [codec.encode(entry["prompt"]) for entry in load_battery(options.battery)]
+    prompts, _ = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, options.runtime.tokenizer))
     ks = sorted(set(options.speculative_tokens) - {0})
     batches = -(-len(prompts) // options.batch_size)
     rows = []
@@ -143,7 +144,7 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
                         bench_row(pp, k, measure(engine, prompts, k, options, lambda: progress.advance(task)), plain)
                     )
     return {
-        "schema": "specdoctor.bench/1",
+        "schema": SCHEMA,
         "model": str(checkpoint.path),
         "prompts": len(prompts),
         "settings": {

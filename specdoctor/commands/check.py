@@ -77,55 +77,77 @@ def repair(runtime: RuntimeOptions, json_out: JsonReportOption = None, junit_xml
 
 def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     # Imported here: the CLI itself starts without torch (probe and --help need none).
+    from specdoctor.checks.own_copies import own_copy_findings
     from specdoctor.checks.preflight import preflight
     from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.drafter.repair import vocab_shard_range
     from specdoctor.runtime.partition import placements
 
     options.validate()
     checkpoint = Checkpoint(options.runtime.model)
+    vocab_shard_range(checkpoint.config.vocab_size, options.runtime.tp, options.tp_rank)  # a TP size vLLM refuses
     ranks = placements(checkpoint.config, options.runtime.pp, options.runtime.pp_partition)
     settings = {**settings_dict(options.runtime), **settings_dict(options)}
-    report = CheckReport(
-        str(checkpoint.path), settings, [placement_row(r) for r in ranks], preflight(checkpoint, ranks)
-    )
+    # Pre-flight reads headers only; an MTP layer's own copies are compared with the target's rows too.
+    findings = preflight(checkpoint, ranks) + own_copy_findings(checkpoint)
+    report = CheckReport(str(checkpoint.path), settings, [placement_row(r) for r in ranks], findings)
     if checkpoint.config.num_nextn_predict_layers == 0:
         return report  # nothing to run: the pre-flight error says why
+    if checkpoint.quantization:
+        report.preflight.append(
+            runtime_skipped(f"{checkpoint.quantization} weights are not dequantised by the runtime yet")
+        )
+        return report
     run_stages(report, options, checkpoint, show_progress)
     return report
 
 
 def run_stages(report: CheckReport, options: CheckOptions, checkpoint, show_progress: bool) -> None:
     """Start the ranks; the target-only battery; the before stage; with --repair, repair and the after stage."""
-    from specdoctor.battery import load_battery
+    from specdoctor.battery import battery_prompts
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.runtime.tokenizer import load_codec
 
-    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
-    prompts = [codec.encode(entry["prompt"]) for entry in load_battery(options.battery)]
+    prompts, fallback = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, options.runtime.tokenizer))
+    if fallback:
+        report.preflight.append(Finding("behaviour.battery", "warning", fallback, stage="preflight"))
     clock = StageClock(report.timings)
+    # The runtime computes at TP 1; a larger --tensor-parallel-size names the vocab shard the repair checks.
+    runtime = dataclasses.replace(options.runtime, tp=1)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
-        task = progress.add_task(f"starting {options.runtime.pp} pipeline rank(s)", total=4 + 3 * options.repair)
-        # The runtime computes at TP 1; a larger --tensor-parallel-size names the vocab shard the repair checks.
-        with Engine(dataclasses.replace(options.runtime, tp=1), checkpoint) as engine:
+        task = progress.add_task(f"starting {runtime.pp} pipeline rank(s)", total=4 + 3 * options.repair)
+        stage = StageRunner(Engine(runtime, checkpoint), options, prompts, [], progress, task)
+        try:
             clock.lap("start_ranks")
             progress.update(task, advance=1, description=f"battery: target only ({len(prompts)} prompts)")
-            plain = engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
+            stage.plain = stage.engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
             clock.lap("target_only_battery")
             progress.advance(task)
-            stage = StageRunner(engine, options, prompts, plain, progress, task)
-            before = stage.run("before", str(options.runtime.drafter_policy))
-            report.stages.append(before)
+            report.stages.append(stage.run("before", str(runtime.drafter_policy)))
             clock.lap("before")
             if options.repair:
-                progress.update(task, description="repair: reading the drafter's tensors from the checkpoint")
-                report.repair = engine.repair_drafter(before.drafter["broken"], options.runtime.tp, options.tp_rank)
-                report.repair_findings = repair_findings(report.repair)
-                clock.lap("repair")
-                progress.advance(task)
-                if report.repair.repaired:
-                    report.stages.append(stage.run("after", "repaired"))
-                    clock.lap("after")
+                repair_and_recheck(report, stage, lambda: Engine(runtime, checkpoint), clock)
+        finally:
+            stage.engine.close()
         clock.lap("stop_ranks")
+
+
+def repair_and_recheck(report: CheckReport, stage: StageRunner, restart, clock: StageClock) -> None:
+    """Repair what the before stage found broken and run the stage again. A drafter that crashed the
+    pipeline is loaded again, as broken as before, in fresh ranks first."""
+    options = stage.options
+    if not stage.engine.alive:
+        stage.engine.close()
+        stage.engine = restart()
+        clock.lap("restart_ranks")
+    stage.progress.update(stage.task, description="repair: reading the drafter's tensors from the checkpoint")
+    report.repair = stage.engine.repair_drafter(report.stages[0].drafter["broken"], options.runtime.tp, options.tp_rank)
+    report.repair_findings = repair_findings(report.repair)
+    clock.lap("repair")
+    stage.progress.advance(stage.task)
+    if report.repair.repaired:
+        report.stages.append(stage.run("after", "repaired"))
+        clock.lap("after")
 
 
 @dataclass
@@ -140,26 +162,34 @@ class StageRunner:
     task: int
 
     def run(self, name: str, policy: str) -> StageResult:
-        from specdoctor.checks.behaviour import run_battery
+        from specdoctor.checks.behaviour import crashed_battery, run_battery
         from specdoctor.checks.drafter import drafter_findings
+        from specdoctor.runtime.comm import PipelineError
 
         self.progress.update(self.task, description=f"{name}: inspecting the loaded drafter")
         state = self.engine.measure_drafter()
         findings, broken = drafter_findings(state, name)
         drafter = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
         self.progress.update(self.task, advance=1, description=f"{name}: battery with speculative decoding")
-        options = self.options
-        behaviour = run_battery(
-            self.engine,
-            self.prompts,
-            self.plain,
-            options.max_tokens,
-            options.runtime.num_speculative_tokens,
-            options.min_acceptance_length,
-            name,
-        )
+        options, k = self.options, self.options.runtime.num_speculative_tokens
+        try:
+            behaviour = run_battery(
+                self.engine, self.prompts, self.plain, options.max_tokens, k, options.min_acceptance_length, name
+            )
+        except PipelineError as crash:  # a drafter tensor that is not one (an aliased placeholder) ends the engine
+            behaviour = crashed_battery(str(crash), name)
         self.progress.advance(self.task)
         return StageResult(name, policy, findings + behaviour.pop("findings"), drafter, behaviour)
+
+
+def runtime_skipped(reason: str) -> Finding:
+    return Finding(
+        "runtime.skipped",
+        "warning",
+        f"the loaded-drafter and behaviour stages did not run: {reason}",
+        "the verdict rests on the pre-flight (headers only)",
+        "preflight",
+    )
 
 
 def settings_dict(options) -> dict:
@@ -225,6 +255,10 @@ def render_check(report: CheckReport, console: Console) -> None:
     console.print(findings_table("Pre-flight (headers only)", report.preflight))
     for stage in report.stages:
         console.print(findings_table(f"Loaded drafter and battery · {stage.name} · {stage.policy}", stage.findings))
+        signals = stage.signals()
+        if signals["content"] or signals["behaviour"]:
+            content, behaviour = (", ".join(signals[kind]) or "none" for kind in ("content", "behaviour"))
+            console.print(f"independent signals · content: {content} · behaviour: {behaviour}", highlight=False)
         if stage.name == "before" and report.repair is not None:
             repaired = report.repair_findings or [Finding("repair", "info", "nothing needed repair", stage="repair")]
             title = f"Repair · {report.repair.bytes_read:,} bytes read in {report.repair.seconds:.3f} s"

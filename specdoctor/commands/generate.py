@@ -56,17 +56,19 @@ def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, s
     from specdoctor.runtime.checkpoint import Checkpoint
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.generation import GenerateRequest
-    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.runtime.tokenizer import load_codec
     from specdoctor.runtime.worker import launched_by_torchrun, run_under_torchrun
 
     if not prompts:
         raise SpecdoctorError("give at least one --prompt or --prompts-file")
     checkpoint = Checkpoint(runtime.model)
-    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to turn prompts into tokens")
     ids = [codec.encode(p) for p in prompts]
     if launched_by_torchrun():
         k = runtime.num_speculative_tokens
-        request = GenerateRequest(ids, max_tokens, sampling, k, codec.eos_token_ids)
+        request = GenerateRequest(
+            ids, max_tokens, sampling, k, codec.eos_token_ids, draft_sample_method=runtime.draft_sample_method
+        )
         result = run_under_torchrun(dataclasses.replace(runtime, model=str(checkpoint.path)), request)
     else:
         with Engine(runtime, checkpoint, show_progress=show_progress) as engine:

@@ -72,6 +72,7 @@ def summarize(checkpoint) -> dict:
         "path": str(checkpoint.path),
         "layout": checkpoint.layout,
         "architecture": config.architecture,
+        "quantization": checkpoint.quantization,
         "config": {name: getattr(config, name) for name in CONFIG_FIELDS},
         "num_keys": len(tensors),
         "num_shards": len({t.shard for t in tensors.values()}),
@@ -87,6 +88,7 @@ def summarize(checkpoint) -> dict:
 def render_summary(summary: dict, console: Console) -> None:
     overview = Table(title=f"{summary['path']}", show_header=False)
     overview.add_row("architecture", summary["architecture"])
+    overview.add_row("quantization", summary["quantization"] or "none (floating-point weights)")
     overview.add_row("layout", summary["layout"])
     for name, value in summary["config"].items():
         overview.add_row(name, str(value))

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.options import RuntimeOptions, speculative_tokens_from_config
+from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
 
 RUNTIME_PANEL = "Runtime (vLLM's spellings accepted)"
 SPECULATIVE_CONFIG = "speculative_config"
@@ -91,7 +91,9 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
             config_text = values.pop(SPECULATIVE_CONFIG)
             chosen = {name: values.pop(name) for name in _FIELDS}
             if config_text is not None:
-                k = speculative_tokens_from_config(config_text)
+                from_config = options_from_speculative_config(config_text)
+                k = from_config.pop("num_speculative_tokens")
+                chosen.update(from_config)
                 given = chosen["num_speculative_tokens"]
                 default = defaults.get("num_speculative_tokens", _FIELDS["num_speculative_tokens"].default)
                 if given not in (None, default, k, [k]):

@@ -74,7 +74,7 @@ def run_serve(options: ServeOptions) -> None:
     from specdoctor.runtime.checkpoint import Checkpoint
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.partition import placements
-    from specdoctor.runtime.tokenizer import TextCodec
+    from specdoctor.runtime.tokenizer import load_codec
     from specdoctor.server.app import ServerState, create_app
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template
@@ -83,7 +83,7 @@ def run_serve(options: ServeOptions) -> None:
     runtime = options.runtime
     checkpoint = Checkpoint(runtime.model)
     placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
-    codec = TextCodec(checkpoint.path, checkpoint.config.eos_token_ids)
+    codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
     check_port_free(options.host, options.port)
     engine = Engine(runtime, checkpoint, show_progress=True)
     try:

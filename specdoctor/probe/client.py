@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from specdoctor.battery import load_battery
-from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH, acceptance_findings
+from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH, acceptance_findings, bigram_baseline
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.report import Finding, ProbeReport
@@ -52,54 +52,87 @@ class Probe:
                 f"{self.options.url}: cannot reach the server ({type(err).__name__}: {err})"
             ) from None
 
-    def model_name(self) -> str:
+    def served_model(self) -> tuple[str, str]:
+        """(the model to probe, the engine that serves it: /v1/models' `owned_by`, e.g. vllm or sglang)."""
         response = self.get("/v1/models")
         if response.status_code == 401:
             raise SpecdoctorError(f"{self.options.url}: the server wants an API key (--api-key)")
         try:
-            models = [entry["id"] for entry in response.json()["data"]]
+            owners = {entry["id"]: str(entry.get("owned_by", "")) for entry in response.json()["data"]}
         except (ValueError, KeyError, TypeError):
             raise SpecdoctorError(
                 f"{self.options.url}: not an OpenAI-compatible server (GET /v1/models answered "
                 f"{response.status_code} without a model list)"
             ) from None
-        if self.options.model and self.options.model not in models:
-            raise SpecdoctorError(f"{self.options.url}: model {self.options.model!r} is not served (serving {models})")
-        return self.options.model or models[0]
+        if not owners:
+            raise SpecdoctorError(f"{self.options.url}: GET /v1/models lists no model")
+        if self.options.model and self.options.model not in owners:
+            raise SpecdoctorError(
+                f"{self.options.url}: model {self.options.model!r} is not served (serving {list(owners)})"
+            )
+        model = self.options.model or next(iter(owners))
+        return model, owners[model]
 
     def scrape(self) -> SpecMetrics | None:
         response = self.get("/metrics")
         return prometheus.spec_counters(prometheus.parse(response.text)) if response.status_code == 200 else None
 
-    def complete(self, model: str, prompt: str) -> dict:
+    def complete(self, model: str, prompt: str | list[int]) -> dict:
+        """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input."""
         if time.monotonic() > self.deadline:
             raise SpecdoctorError(f"the probe ran past its {self.options.timeout:.0f} s limit")
-        body = {"model": model, "prompt": prompt, "max_tokens": self.options.max_tokens, "temperature": 0}
+        # return_token_ids: vLLM then returns the completion's token ids (for the bigram baseline); others ignore it.
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": self.options.max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         try:
             response = self.client.post("/v1/completions", json=body)
         except httpx.HTTPError as err:
             raise SpecdoctorError(f"{self.options.url}: a completion failed ({type(err).__name__}: {err})") from None
         if response.status_code != 200:
-            raise SpecdoctorError(
-                f"{self.options.url}: POST /v1/completions answered {response.status_code}: {response.text[:200]}"
-            )
-        return response.json()
+            return {"error": f"POST /v1/completions answered {response.status_code}: {response.text[:200]}"}
+        try:
+            return response.json()
+        except ValueError:
+            return {"error": f"POST /v1/completions answered 200 without JSON: {response.text[:200]}"}
 
 
 def run_probe(options: ProbeOptions) -> ProbeReport:
     probe = Probe(options)
     battery = load_battery(options.battery)
-    model = probe.model_name()
+    model, engine = probe.served_model()
     before = probe.scrape()
-    replies = [probe.complete(model, entry["prompt"]) for entry in battery]
+    answers = [probe.complete(model, entry.get("prompt", entry.get("token_ids"))) for entry in battery]
     after = probe.scrape()
+    replies = [answer for answer in answers if "error" not in answer]
     source, metrics = acceptance(replies, before, after)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items() if k != "api_key"}
     metrics_dict = metrics.to_dict() if isinstance(metrics, SpecMetrics) else metrics
-    findings = probe_findings(source, metrics, options.min_acceptance_length)
-    return ProbeReport(
-        options.url, model, settings, source, f"{len(replies)}/{len(battery)} answered", metrics_dict, findings
-    )
+    findings = error_findings([a["error"] for a in answers if "error" in a], len(answers))
+    outputs = [((reply.get("choices") or [{}])[0] or {}).get("token_ids") for reply in replies]
+    baseline = bigram_baseline(outputs) if replies and all(isinstance(o, list) for o in outputs) else None
+    findings += probe_findings(source, metrics, options.min_acceptance_length, engine, baseline) if replies else []
+    answered = f"{len(replies)}/{len(battery)} answered"
+    return ProbeReport(options.url, model, engine, settings, source, answered, metrics_dict, findings)
+
+
+def error_findings(errors: list[str], asked: int) -> list[Finding]:
+    if not errors:
+        return []
+    return [
+        Finding(
+            "probe.errors",
+            "error",
+            f"{len(errors)} of {asked} completions failed; the first: {errors[0]}",
+            "the deployment errors while decoding speculatively: its log says why",
+            "probe",
+            {"errors": errors},
+        )
+    ]
 
 
 def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | dict | None]:
@@ -128,14 +161,28 @@ def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | d
     return "metrics", prometheus.difference(after, before)
 
 
-def probe_findings(source: str, metrics, min_length: float) -> list[Finding]:
+# How each engine turns speculative decoding on, named by /v1/models' owned_by.
+ENABLE_HINTS = {
+    "vllm": """start vLLM with --speculative-config '{"method":"mtp","num_speculative_tokens":3}'""",
+    "sglang": "start SGLang with --speculative-algorithm NEXTN --speculative-num-steps 3",
+    "specdoctor": "start specdoctor serve with --num-speculative-tokens 3",
+}
+
+
+def enable_hint(engine: str) -> str:
+    if engine in ENABLE_HINTS:
+        return ENABLE_HINTS[engine]
+    return "start the server with a drafter: " + "; ".join(ENABLE_HINTS.values())
+
+
+def probe_findings(source: str, metrics, min_length: float, engine: str = "", baseline=None) -> list[Finding]:
     if metrics is None:
         return [
             Finding(
                 "probe.enabled",
                 "error",
                 "speculative decoding is not enabled: the server reports no speculative counters",
-                "start the server with a drafter (e.g. --num-speculative-tokens 3)",
+                enable_hint(engine),
                 "probe",
             )
         ]
@@ -154,4 +201,4 @@ def probe_findings(source: str, metrics, min_length: float) -> list[Finding]:
             ]
         mean, rates = metrics.mean_acceptance_length, metrics.per_position_rates
     summary = f"mean acceptance length {mean:.2f} (counts the bonus token), from {source} figures"
-    return acceptance_findings("probe", summary, mean, rates, min_length, "probe")
+    return acceptance_findings("probe", summary, mean, rates, min_length, "probe", baseline)

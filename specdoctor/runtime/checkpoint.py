@@ -19,6 +19,7 @@ import torch
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.models.registry import read_config
+from specdoctor.runtime.quantization import quantization_scheme
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -165,6 +166,7 @@ class Checkpoint:
         self.config = read_config(self.raw_config, str(self.path / "config.json"))
         self.layout, shard_of = self._weight_map()
         self.tensors = self._scan_headers(shard_of)
+        self.quantization = quantization_scheme(self.raw_config, self.tensors)  # None: floating-point weights
         self.keys_read: list[str] = []
         self.bytes_read = 0
 

@@ -24,6 +24,7 @@ from specdoctor.runtime.drafter.state import DrafterState
 from specdoctor.runtime.generation import GenerateRequest, GenerateResult, check_request
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.quantization import refuse_quantized
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import model_eos_token_ids
 from specdoctor.runtime.worker import rank_main
@@ -33,6 +34,10 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).
+ERRORS = ("error", "peer_error")
 
 
 def process_state(pid: int) -> str | None:
@@ -54,11 +59,12 @@ class Engine:
             )
         # Validate in this process first, so bad input fails before any rank starts.
         self.checkpoint = checkpoint or Checkpoint(options.model)
+        refuse_quantized(self.checkpoint)
         self.config = self.checkpoint.config
         self.placements = placements(self.config, options.pp, options.pp_partition)
         # Ranks open the resolved directory ("demo" and Hugging Face ids resolved once, here).
         self.options = dataclasses.replace(options, model=str(self.checkpoint.path))
-        self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids)
+        self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids, options.tokenizer)
         # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'
         # timeouts; the controller's own deadline covers a whole pipeline that falls silent.
         self.silence_limit_s = 2 * options.timeout + 5
@@ -120,7 +126,13 @@ class Engine:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         request = GenerateRequest(
-            prompts, max_new_tokens, sampling, k, self.eos_token_ids, stream=on_tokens is not None
+            prompts,
+            max_new_tokens,
+            sampling,
+            k,
+            self.eos_token_ids,
+            stream=on_tokens is not None,
+            draft_sample_method=self.options.draft_sample_method,
         )
         check_request(request, self.config)
         self._inbox.put(("generate", request))
@@ -172,11 +184,12 @@ class Engine:
                 continue
             last_heard = time.monotonic()
             kind, rank, payload = message
-            if kind == "error":
-                time.sleep(0.5)  # let a peer's death become visible, so the root cause is named
-                self._raise_if_a_rank_died(reported=payload)
+            if kind in ERRORS:
+                time.sleep(0.5)  # let a peer's death and its own report arrive, so the root cause is named
+                reported = self._root_cause([payload] if kind == "error" else [], [payload])
+                self._raise_if_a_rank_died(reported=reported)
                 self._closed = True
-                raise PipelineError(payload)
+                raise PipelineError(reported)
             if kind == wanted:
                 return kind, rank, payload
             if kind == "partial" and on_partial:
@@ -190,18 +203,20 @@ class Engine:
         # A rank killed by a signal is the root cause; the others exited after losing it.
         rank, code = min(dead, key=lambda item: (item[1] >= 0, item[0]))
         if code >= 0:
-            reported = reported or self._first_reported_error()
+            reported = reported or self._root_cause([], [])
             if reported:
                 raise PipelineError(reported)
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         raise PipelineError(f"pipeline rank {rank} (pid {self._processes[rank].pid}) {how}")
 
-    def _first_reported_error(self) -> str | None:
+    def _root_cause(self, own: list[str], consequences: list[str]) -> str | None:
+        """Of the errors reported so far and those still arriving, the first a rank raised itself
+        (its computation failed); else the first about a peer (a consequence of another's failure)."""
         while (message := self._next_reply(timeout=0.5)) is not None:
             kind, _rank, payload = message
-            if kind == "error":
-                return payload
-        return None
+            if kind in ERRORS:
+                (own if kind == "error" else consequences).append(payload)
+        return (own or consequences or [None])[0]
 
     def _raise_silent_pipeline(self, silent_for: float) -> None:
         self._closed = True

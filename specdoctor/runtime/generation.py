@@ -22,6 +22,7 @@ from specdoctor.runtime.kv_cache import KVCache, new_cache
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.options import DraftSampleMethod
 from specdoctor.runtime.partition import Placement
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.speculative import Drafts, commit, finish_device_work, speculative_step
@@ -36,6 +37,7 @@ class GenerateRequest:
     num_speculative_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     stream: bool = False  # report the tokens so far after every step (costs a message per step)
+    draft_sample_method: DraftSampleMethod = DraftSampleMethod.GREEDY  # when sampling: how drafts are picked
 
     def limits(self) -> list[int]:
         if isinstance(self.max_new_tokens, int):
@@ -65,12 +67,15 @@ class RankModel:
     stage: TargetStage
     drafter: MtpDrafter | None
     comm: PipelineComm
+    device: torch.device
+    dtype: torch.dtype
     checkpoint: Checkpoint | None = None
     provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.stage.parameters()).device
+    def cache(self, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
+        """A KV cache for this rank's layers (or the given ones, e.g. the MTP layers)."""
+        layers = self.stage.layer_ids if layer_ids is None else layer_ids
+        return new_cache(self.stage.config, layers, batch, max_len, self.dtype, self.device)
 
 
 def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +94,7 @@ def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tenso
     if placement.is_first:
         inputs = tokens
     else:
-        dtype = next(stage.parameters()).dtype
-        inputs = model.comm.recv_prev((*tokens.shape, stage.config.hidden_size), dtype)
+        inputs = model.comm.recv_prev((*tokens.shape, stage.config.hidden_size), model.dtype)
     hidden = stage(inputs, positions, cache)
     if placement.is_last:
         return hidden
@@ -103,7 +107,7 @@ def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | 
     """Target logits at every prompt position, [B, Lmax, V] on the last rank (rows past a prompt's end are padding)."""
     ids, _ = pad_right(prompts, model.device)
     positions = torch.arange(ids.shape[1], device=ids.device).expand(len(prompts), -1)
-    hidden = pipeline_pass(model, ids, positions, new_cache(model.stage, len(prompts), ids.shape[1]))
+    hidden = pipeline_pass(model, ids, positions, model.cache(len(prompts), ids.shape[1]))
     return None if hidden is None else model.stage.logits(hidden).float().cpu()
 
 
@@ -132,15 +136,15 @@ class BatchState:
         batch = len(request.prompts)
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
         max_len = int(self.lengths.max()) + max(request.limits()) + 2 * self.k
-        self.cache = new_cache(model.stage, batch, max_len)
+        self.cache = model.cache(batch, max_len)
         self.generator, self.drafts = None, None
         if model.placement.is_last:
             self.generator = torch.Generator(device=model.device)
             seed = request.sampling.seed
             self.generator.manual_seed(seed if seed is not None else torch.seed())
             if self.k:
-                mtp_cache = new_cache(model.stage, batch, max_len, model.stage.config.mtp_layer_ids)
-                self.drafts = Drafts(model.drafter, mtp_cache, self.k, request.sampling, self.generator, model.device)
+                mtp_cache = model.cache(batch, max_len, model.stage.config.mtp_layer_ids)
+                self.drafts = Drafts(model.drafter, mtp_cache, self.k, request, self.generator, model.device)
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
         self.decision = torch.empty(batch, 2 * self.k + 2, dtype=torch.long, device=model.device)
@@ -160,7 +164,8 @@ class BatchState:
         hidden = pipeline_pass(model, self.ids, positions, self.cache)
         if model.placement.is_last:
             rows, last = torch.arange(batch, device=model.device), self.lengths - 1
-            logits = model.stage.logits(hidden[rows, last][:, None])
+            final = model.stage.model.norm(hidden)  # [B, L, H]: the drafter is fed the final-normed states
+            logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
             first = speculative_step(logits, None, None, None, self.request.sampling, self.generator)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
             self.decision[:, :2] = first
@@ -169,7 +174,7 @@ class BatchState:
                 next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
                     1, last[:, None], first[:, 1:2]
                 )
-                self.drafts.propose(next_tokens, hidden, positions, base=last)
+                self.drafts.propose(next_tokens, final, positions, base=last)
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
         model.comm.broadcast_from_last(self.decision)
         self.commit(count_metrics=False)
@@ -181,9 +186,9 @@ class BatchState:
         positions = self.filled[:, None] + torch.arange(k + 1, device=model.device)  # [B, k+1]
         hidden = pipeline_pass(model, pending_and_drafts, positions, self.cache)
         if model.placement.is_last:
-            logits = model.stage.logits(hidden)
+            final, logits = model.stage.head(hidden)
             self.decision = speculative_step(
-                logits, hidden, positions, self.drafts, self.request.sampling, self.generator
+                logits, final, positions, self.drafts, self.request.sampling, self.generator
             )
         model.comm.broadcast_from_last(self.decision)
         finish_device_work(model.device)

@@ -57,9 +57,6 @@ class KVCache:
         return self.keys[layer_id][:, :span], self.values[layer_id][:, :span]
 
 
-def new_cache(stage, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
-    """A cache for a stage's layers (or the given layer ids, e.g. the MTP layers), in its dtype and device."""
-    param = next(stage.parameters())
-    cfg = stage.config
-    layers = stage.layer_ids if layer_ids is None else layer_ids
-    return KVCache(layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
+def new_cache(config, layer_ids: list[int], batch: int, max_len: int, dtype, device) -> KVCache:
+    """A cache for the given layers (a stage's, or the MTP layers) of a model with this config."""
+    return KVCache(layer_ids, batch, max_len, config.num_key_value_heads, config.head_dim, dtype, device)

@@ -46,6 +46,13 @@ class Fill(Choice):
     STALE = "stale"  # another weight's bytes, as a caching allocator's reused block
 
 
+class DraftSampleMethod(Choice):
+    """How drafts are picked when the request samples (vLLM's `draft_sample_method`)."""
+
+    GREEDY = "greedy"  # vLLM's default: the drafter's argmax, verified as a one-hot q
+    PROBABILISTIC = "probabilistic"  # sampled from q, verified against q
+
+
 class Device(Choice):
     CPU = "cpu"  # gloo between ranks
     CUDA = "cuda"  # NCCL between ranks
@@ -75,6 +82,9 @@ class RuntimeOptions:
     model: str = option(
         None, "--model", help="Checkpoint directory, a Hugging Face id in the local cache, or 'demo'.", required=True
     )
+    tokenizer: str | None = option(
+        None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."
+    )
     pp: int = option(1, "--pp", "--pipeline-parallel-size", "-pp", help="Pipeline-parallel ranks (one process each).")
     pp_partition: str | None = option(
         None, "--pp-partition", help="Layers per rank, e.g. 14,12,12,7 (default: $VLLM_PP_LAYER_PARTITION, else even)."
@@ -90,6 +100,11 @@ class RuntimeOptions:
         0,
         "--num-speculative-tokens",
         help=f"Draft tokens per step (0 = plain decoding, at most {MAX_SPECULATIVE_TOKENS}).",
+    )
+    draft_sample_method: DraftSampleMethod = option(
+        DraftSampleMethod.GREEDY,
+        "--draft-sample-method",
+        help="When sampling: greedy drafts verified as one-hot (vLLM's default) or drafts sampled from q.",
     )
     drafter_policy: EmbeddingPolicy = option(
         EmbeddingPolicy.FIXED, "--drafter-policy", help="How the drafter's embedding is loaded."
@@ -139,8 +154,9 @@ MTP_METHODS = (
 )
 
 
-def speculative_tokens_from_config(text: str) -> int:
-    """k from vLLM's `--speculative-config` JSON; keys the runtime cannot honour are refused, not ignored."""
+def options_from_speculative_config(text: str) -> dict:
+    """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens and, if
+    given, draft_sample_method. Keys the runtime cannot honour are refused, not ignored."""
     import json
 
     try:
@@ -149,11 +165,11 @@ def speculative_tokens_from_config(text: str) -> int:
         raise SpecdoctorError(f"--speculative-config is not valid JSON ({err.msg})") from None
     if not isinstance(config, dict):
         raise SpecdoctorError("--speculative-config must be a JSON object")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "draft_sample_method"})
     if unknown:
         raise SpecdoctorError(
-            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method and "
-            "num_speculative_tokens)"
+            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method, "
+            "num_speculative_tokens and draft_sample_method)"
         )
     method = config.get("method", "mtp")
     if method not in MTP_METHODS:
@@ -163,4 +179,7 @@ def speculative_tokens_from_config(text: str) -> int:
     k = config.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int):
         raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
-    return k
+    fields = {"num_speculative_tokens": k}
+    if "draft_sample_method" in config:
+        fields["draft_sample_method"] = config["draft_sample_method"]  # checked by RuntimeOptions
+    return fields

@@ -1,4 +1,5 @@
-"""Pipeline layer partition and placement, with vLLM's semantics (docs/engine-semantics.md §Partition and §Ownership)."""
+"""Pipeline layer partition and placement, with vLLM's semantics (docs/engine-semantics.md §Partition,
+§Ownership)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.models.registry import family_of
 
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
@@ -20,7 +22,8 @@ def default_partition(num_layers: int, pp: int) -> list[int]:
 
 
 def parse_partition(spec: str, num_layers: int, pp: int) -> list[int]:
-    """An explicit partition such as '14,12,12,7': one entry per rank, summing to num_layers."""
+    """An explicit partition such as '14,12,12,7': one entry per rank, summing to num_layers. A rank
+    may own no layers, as in vLLM; an empty string is an error there too."""
     try:
         parts = [int(item) for item in spec.split(",")]
     except ValueError:
@@ -29,19 +32,18 @@ def parse_partition(spec: str, num_layers: int, pp: int) -> list[int]:
         raise SpecdoctorError(f"layer partition {spec!r} has {len(parts)} entries but the pipeline has {pp} ranks")
     if sum(parts) != num_layers:
         raise SpecdoctorError(f"layer partition {spec!r} sums to {sum(parts)}, the model has {num_layers} layers")
-    if min(parts) < 1:
-        raise SpecdoctorError(f"layer partition {spec!r} gives a rank no layers")
+    if min(parts) < 0:  # vLLM would build an empty, backwards layer range; refuse it
+        raise SpecdoctorError(f"layer partition {spec!r} gives a rank a negative number of layers")
     return parts
 
 
 def layer_ranges(num_layers: int, pp: int, spec: str | None = None) -> list[range]:
-    """Each rank's target layers; `spec` wins over the VLLM_PP_LAYER_PARTITION variable."""
+    """Each rank's target layers; `spec` wins over the VLLM_PP_LAYER_PARTITION variable (set but empty
+    is an error, as in vLLM). More ranks than layers leaves the last ranks without layers, as in vLLM."""
     if pp < 1:
         raise SpecdoctorError(f"--pp must be at least 1, got {pp}")
-    if pp > num_layers:
-        raise SpecdoctorError(f"--pp {pp} exceeds the model's {num_layers} layers")
-    spec = spec or os.environ.get(PARTITION_ENV) or None
-    parts = parse_partition(spec, num_layers, pp) if spec else default_partition(num_layers, pp)
+    spec = spec if spec is not None else os.environ.get(PARTITION_ENV)
+    parts = parse_partition(spec, num_layers, pp) if spec is not None else default_partition(num_layers, pp)
     starts = [sum(parts[:i]) for i in range(pp)]
     return [range(start, start + size) for start, size in zip(starts, parts, strict=True)]
 
@@ -53,7 +55,7 @@ class Placement:
     rank: int
     world_size: int
     layers: range
-    has_embedding: bool  # rank 0, and the last rank too when embeddings are tied
+    has_embedding: bool  # rank 0, and the last rank too when tied in a family that builds it there
     has_head: bool  # final norm + lm_head: the last rank
     has_drafter: bool  # the MTP layers and the drafter: the last rank
 
@@ -69,12 +71,13 @@ class Placement:
 def placements(config: ModelConfig, pp: int, spec: str | None = None) -> list[Placement]:
     ranges = layer_ranges(config.num_hidden_layers, pp, spec)
     last = pp - 1
+    tied_on_last = config.tie_word_embeddings and family_of(config).tied_embedding_on_last_rank
     return [
         Placement(
             rank=rank,
             world_size=pp,
             layers=layers,
-            has_embedding=rank == 0 or (rank == last and config.tie_word_embeddings),
+            has_embedding=rank == 0 or (rank == last and tied_on_last),
             has_head=rank == last,
             has_drafter=rank == last and config.num_nextn_predict_layers > 0,
         )

@@ -28,8 +28,9 @@ def finish_device_work(device: torch.device) -> None:
 class Drafts:
     """The last rank's proposals: tokens [B, k] and, when sampling, their distributions q [B, k, V]."""
 
-    def __init__(self, drafter, cache: KVCache, k: int, sampling: SamplingParams, generator, device):
-        self.drafter, self.cache, self.k, self.sampling, self.generator = drafter, cache, k, sampling, generator
+    def __init__(self, drafter, cache: KVCache, k: int, request, generator, device):
+        self.drafter, self.cache, self.k, self.generator = drafter, cache, k, generator
+        self.sampling, self.sampled_drafts = request.sampling, request.draft_sample_method == "probabilistic"
         self.tokens = torch.zeros(cache.batch, 0, dtype=torch.long, device=device)
         self.probs: torch.Tensor | None = None
         self.seconds = 0.0  # time spent proposing, for the step profile
@@ -37,7 +38,7 @@ class Drafts:
     def propose(
         self,
         next_tokens: torch.Tensor,  # [B, T] the token after each position
-        hidden: torch.Tensor,  # [B, T, H] target hidden states (last layer, before the final norm)
+        hidden: torch.Tensor,  # [B, T, H] the target's output after its final norm
         positions: torch.Tensor,  # [B, T]
         base: torch.Tensor,  # [B] index of the last accepted position: the chain starts there
     ) -> None:
@@ -45,7 +46,7 @@ class Drafts:
         each fed the drafter's own hidden state and its own proposal."""
         start = time.perf_counter()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        out, logits = self.drafter(next_tokens, hidden, positions, step=0, cache=self.cache)
+        out, logits = self.drafter(next_tokens, hidden, positions, cache=self.cache)
         out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
         tokens, probs = [], []
         for step in range(self.k):
@@ -54,7 +55,7 @@ class Drafts:
             probs.append(q)
             if step + 1 < self.k:
                 position = position + 1
-                out, step_logits = self.drafter(token[:, None], out, position, step=step + 1, cache=self.cache)
+                out, step_logits = self.drafter(token[:, None], out, position, cache=self.cache)
                 logits = step_logits[:, 0]
         self.tokens = torch.stack(tokens, dim=1)
         self.probs = None if self.sampling.greedy else torch.stack(probs, dim=1)
@@ -62,15 +63,21 @@ class Drafts:
         self.seconds += time.perf_counter() - start
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
+        """A draft token [B] and, when the request samples, the q [B, V] it is verified against."""
         if self.sampling.greedy:
             return logits.argmax(-1), None
+        if not self.sampled_drafts:
+            # vLLM's default: the drafter's argmax, verified as if q were one-hot on it (accepted when
+            # u <= p(x); on rejection the recovered token comes from p with x removed).
+            token = logits.argmax(-1)
+            return token, torch.nn.functional.one_hot(token, logits.shape[-1]).to(torch.float32)
         q = probabilities(logits, self.sampling)
         return sample(q, self.generator), q
 
 
 def speculative_step(
     target_logits: torch.Tensor,  # [B, k+1, V] p's logits at the pending token and each draft
-    hidden: torch.Tensor,  # [B, k+1, H] target hidden states at the same positions
+    hidden: torch.Tensor,  # [B, k+1, H] the target's final-normed hidden states at the same positions
     positions: torch.Tensor,  # [B, k+1]
     drafts: Drafts | None,  # None for plain decoding (k = 0)
     sampling: SamplingParams,

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from specdoctor.errors import CheckpointError
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def eos_token_ids(tokenizer: Tokenizer | None, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -18,21 +19,31 @@ def eos_token_ids(tokenizer: Tokenizer | None, config_eos: tuple[int, ...]) -> t
     return tuple(sorted(set(config_eos) | found))
 
 
-def model_eos_token_ids(model_path: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
-    """EOS ids for a checkpoint directory, whether or not it ships a tokenizer."""
-    path = model_path / "tokenizer.json"
-    return eos_token_ids(Tokenizer.from_file(str(path)) if path.is_file() else None, config_eos)
+def tokenizer_file(model_path: Path, option: str | None = None) -> Path | None:
+    """The tokenizer.json to use: `--tokenizer` (the file, or a directory holding it), else the
+    checkpoint's own; None when there is neither."""
+    if option:
+        path = Path(option).expanduser()
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise CheckpointError(f"{option}: no {TOKENIZER_FILE} there (--tokenizer)")
+        return file
+    file = model_path / TOKENIZER_FILE
+    return file if file.is_file() else None
+
+
+def model_eos_token_ids(model_path: Path, config_eos: tuple[int, ...], option: str | None = None) -> tuple[int, ...]:
+    """EOS ids for a checkpoint, whether or not a tokenizer comes with it."""
+    file = tokenizer_file(model_path, option)
+    return eos_token_ids(Tokenizer.from_file(str(file)) if file else None, config_eos)
 
 
 class TextCodec:
-    def __init__(self, model_path: Path, config_eos: tuple[int, ...] = ()):
-        path = model_path / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: tokenizer.json not found (needed to turn prompts into tokens)")
+    def __init__(self, file: Path, config_eos: tuple[int, ...] = ()):
         try:
-            self.tokenizer = Tokenizer.from_file(str(path))
+            self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
-            raise CheckpointError(f"{path}: cannot load tokenizer ({err})") from None
+            raise CheckpointError(f"{file}: cannot load tokenizer ({err})") from None
         self.eos_token_ids = eos_token_ids(self.tokenizer, config_eos)
 
     def encode(self, text: str) -> list[int]:
@@ -40,6 +51,19 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+
+def load_codec(checkpoint, option: str | None, needed_for: str | None = None) -> TextCodec | None:
+    """The checkpoint's text codec (or `--tokenizer`'s). Without one: an error when text is `needed_for`
+    something, else None (the caller falls back to token ids)."""
+    file = tokenizer_file(checkpoint.path, option)
+    if file is None:
+        if needed_for:
+            raise CheckpointError(
+                f"{checkpoint.path}: no {TOKENIZER_FILE} (needed {needed_for}); point --tokenizer at one"
+            )
+        return None
+    return TextCodec(file, checkpoint.config.eos_token_ids)
 
 
 def read_prompt_file(path: Path) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.comm import PipelineComm
+from specdoctor.runtime.comm import PipelineComm, PipelineError
 from specdoctor.runtime.drafter.loading import Provenance, build_drafter
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.state import measure_drafter
@@ -22,6 +22,7 @@ from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_bat
 from specdoctor.runtime.loader import load_target_stage
 from specdoctor.runtime.options import Device, RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.quantization import refuse_quantized
 
 # Operations only the drafter's rank answers: what the live drafter holds, and its repair.
 DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}
@@ -38,15 +39,14 @@ def rank_device(options: RuntimeOptions, rank: int) -> torch.device:
 
 def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     """Build this rank's stage (and the drafter on the last rank), reading only the tensors it owns."""
-    device = rank_device(options, rank)
+    device, dtype = rank_device(options, rank), options.dtype.torch()
     checkpoint = Checkpoint(options.model)
+    refuse_quantized(checkpoint)  # also under torchrun, where no Engine checked first
     placement = placements(checkpoint.config, options.pp, options.pp_partition)[rank]
-    stage = load_target_stage(
-        checkpoint, placement.layers, placement.has_embedding, placement.has_head, options.dtype.torch(), device
-    )
+    stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
     drafter, provenance = None, Provenance()
     if placement.has_drafter:
-        drafter, provenance = build_drafter(checkpoint, stage, options)
+        drafter, provenance = build_drafter(checkpoint, stage, options, device)
     comm = PipelineComm(rank, options.pp, device, options.timeout)
     info = {
         "rank": rank,
@@ -58,7 +58,7 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
         "bytes_read": checkpoint.bytes_read,
         "drafter_provenance": dict(provenance.sources),
     }
-    return RankModel(placement, stage, drafter, comm, checkpoint, provenance), info
+    return RankModel(placement, stage, drafter, comm, device, dtype, checkpoint, provenance), info
 
 
 class StepReporter:
@@ -129,6 +129,9 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies) -> 
         model, info = load_rank(options, rank)
         replies.send(("ready", rank, info))
         serve(model, next_command if rank == 0 else None, lambda kind, payload: replies.send((kind, rank, payload)))
+    except PipelineError as err:  # a peer failed or hung: the peer's own report names the cause
+        replies.send(("peer_error", rank, str(err)))
+        raise SystemExit(1) from None
     except SpecdoctorError as err:
         replies.send(("error", rank, str(err)))
         raise SystemExit(1) from None

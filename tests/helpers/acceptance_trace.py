@@ -22,7 +22,7 @@ def position0_acceptance(target: TargetStage, drafter: MtpDrafter, prompts: list
     for prompt, continuation in zip(prompts, continuations, strict=True):
         sequence = torch.tensor(prompt + continuation)[None]  # [1, L]
         positions = torch.arange(sequence.shape[1])[None]
-        hidden = target(sequence, positions)
+        hidden = target.head(target(sequence, positions))[0]  # the drafter sees the final-normed state
         # Draft at index i sees the target's hidden state at i and token i+1; it guesses token i+2.
         _, logits = drafter(sequence[:, 1:], hidden[:, :-1], positions[:, :-1])
         first = len(prompt) - 1

@@ -17,13 +17,15 @@ def greedy_generate(
     """Greedy continuations of each prompt (without the prompt), stopping at EOS or max_new_tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    device = next(stage.parameters()).device
-    ids, lengths = pad_right(prompts, device)
+    param = next(stage.parameters())
+    ids, lengths = pad_right(prompts, param.device)
     batch = len(prompts)
-    cache = new_cache(stage, batch, int(lengths.max()) + max_new_tokens)
-    positions = torch.arange(ids.shape[1], device=device).expand(batch, -1)
+    cache = new_cache(
+        stage.config, stage.layer_ids, batch, int(lengths.max()) + max_new_tokens, param.dtype, param.device
+    )
+    positions = torch.arange(ids.shape[1], device=param.device).expand(batch, -1)
     hidden = stage(ids, positions, cache)
-    rows = torch.arange(batch, device=device)
+    rows = torch.arange(batch, device=param.device)
     next_tokens = stage.logits(hidden[rows, lengths - 1]).argmax(-1)  # [B]
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * batch

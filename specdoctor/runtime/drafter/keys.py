@@ -52,8 +52,9 @@ def own_embedding_keys(config: ModelConfig) -> list[str]:
 
 
 def embedding_candidates(config: ModelConfig) -> list[str]:
-    """Keys that can supply the drafter's embedding, in order: the target's, then the MTP layers' own."""
-    return [*TARGET_EMBEDDING_KEYS, *own_embedding_keys(config)]
+    """Keys that can supply the drafter's embedding, in the order a correct loader tries them: the MTP
+    layer's own copy where the checkpoint ships one (it may differ from the target's), then the target's."""
+    return [*own_embedding_keys(config), *TARGET_EMBEDDING_KEYS]
 
 
 def target_embedding_key(checkpoint: Checkpoint) -> str:
@@ -62,7 +63,8 @@ def target_embedding_key(checkpoint: Checkpoint) -> str:
 
 
 def drafter_embedding_key(checkpoint: Checkpoint) -> str | None:
-    """Where a correct loader reads the drafter's embedding: the first candidate present, or None."""
+    """Where a correct loader reads the drafter's embedding: the first candidate present (an own copy
+    before the target's), or None."""
     return checkpoint.first_present(embedding_candidates(checkpoint.config))
 
 
@@ -80,8 +82,8 @@ def drafter_layer_key(config: ModelConfig, name: str) -> str | None:
 
 
 def expected_key(checkpoint: Checkpoint, name: str) -> str | None:
-    """The checkpoint key a correctly loaded drafter parameter equals: the embedding from the first
-    candidate, an MTP layer's tensor from its own key, a head without an own copy from the target's."""
+    """The checkpoint key a correctly loaded drafter parameter equals: the MTP layer's own tensor where
+    the checkpoint ships one (embedding and head included), else the target's embedding or head."""
     if name == DRAFTER_EMBEDDING:
         return drafter_embedding_key(checkpoint)
     key = drafter_layer_key(checkpoint.config, name)

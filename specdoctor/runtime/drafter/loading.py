@@ -1,15 +1,27 @@
 """How the drafter's embedding and head get their weights: correctly, or the ways engines got it wrong
-(docs/engine-semantics.md §Drafter embedding and head under PP).
+(docs/engine-semantics.md §Drafter embedding and head under PP). Each policy names the engine
+releases it reproduces; vLLM 0.32.0 itself loads correctly (read from its installed source).
 
 Embedding policies:
-  fixed             alias the target's embedding only when it is materialised on this rank;
-                    otherwise read it from the target checkpoint (first candidate key).
-  engine-legacy     share only when PP size is 1; the MTP loader keeps only keys under the spec
-                    layer prefix, so at PP > 1 the embedding is left as allocated unless the
-                    checkpoint ships the MTP layer's own copy.
-  alias-placeholder share without checking: at PP > 1 the drafter aliases a PPMissingLayer.
-Head policies (`shared_head.head`): fixed (own checkpoint key, else the target's head),
-engine-legacy (own key only, else left as allocated), unloaded (left as allocated even if present).
+  fixed             alias the target's embedding only when it is materialised on this rank, else read
+                    it from the target checkpoint (first candidate key). What vLLM 0.32 does (at PP > 1
+                    its MTP loader reads `model.embed_tokens.weight` and raises on unloaded weights),
+                    SGLang after PR #37471, and the vllm-backport fork after PR #50 (the seed's fix).
+  engine-legacy     share only when PP size is 1; the MTP loader keeps only keys under the spec layer
+                    prefix, so at PP > 1 the embedding is left as allocated unless the checkpoint ships
+                    the MTP layer's own copy. vLLM's MTP-under-PP support as first pushed in PR #46994
+                    (V2 model runner, July 2026, before its follow-up commit), the vllm-backport fork
+                    before PR #50 (the seed deployment: GLM-5.3-Flash AWQ, PP 4), and SGLang's Qwen3.5
+                    MTP before PR #37471 (torch.empty: zeros, stale bytes or NaN).
+  alias-placeholder share without checking that the target's embedding is materialised: at PP > 1 the
+                    drafter aliases a PPMissingLayer, whose lookup hands back the token ids, and the
+                    first draft step fails as vLLM's MTP layer does on them. The hazard the seed PR's
+                    `_has_real_weight` guard exists for; no vLLM release aliases (0.32 shares at PP 1 only).
+Head policies (`shared_head.head`):
+  fixed             the MTP layer's own key, else the target's `lm_head` (vLLM 0.32, after PR #34385).
+  engine-legacy     the own key only, else left as allocated: vLLM before PR #34385 (Feb 2026), where
+                    GLM-5, whose checkpoint has no own head, got NaN logits and 0 of 279 drafts accepted.
+  unloaded          left as allocated even when the checkpoint ships it: the same symptom, forced.
 What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another weight's bytes).
 """
 
@@ -68,11 +80,11 @@ def fill_unloaded(parameter: torch.Tensor, fill: Fill, stale_source: torch.Tenso
 
 
 def build_drafter(
-    checkpoint: Checkpoint, target: TargetStage, options: RuntimeOptions
+    checkpoint: Checkpoint, target: TargetStage, options: RuntimeOptions, device: torch.device
 ) -> tuple[MtpDrafter, Provenance]:
     """The drafter on the last rank, loaded the way `options` says; `target` is that rank's stage."""
     config = checkpoint.config
-    drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), target_device(target))
+    drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), device)
     provenance = Provenance()
     body = load_module(
         drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
@@ -84,10 +96,6 @@ def build_drafter(
     return drafter.eval(), provenance
 
 
-def target_device(target: TargetStage) -> torch.device:
-    return next(target.parameters()).device
-
-
 def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
     policy, target_embedding = options.drafter_policy, target.model.embed_tokens
     legacy_sharing = policy == EmbeddingPolicy.ENGINE_LEGACY and options.pp == 1
@@ -96,14 +104,14 @@ def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, prove
         real = has_real_weight(target_embedding)
         provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens" if real else "placeholder:model.embed_tokens"
         return
-    if policy == EmbeddingPolicy.FIXED and has_real_weight(target_embedding):
-        drafter.embed_tokens = target_embedding
+    own_copy = checkpoint.first_present(own_embedding_keys(checkpoint.config))
+    if policy == EmbeddingPolicy.FIXED and own_copy is None and has_real_weight(target_embedding):
+        drafter.embed_tokens = target_embedding  # no own copy: the target's, shared where it lives
         provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens"
         return
-    if policy == EmbeddingPolicy.FIXED:
-        key = drafter_embedding_key(checkpoint)
-    else:  # engine-legacy at PP > 1: only the MTP layer's own copy is under the spec prefix
-        key = checkpoint.first_present(own_embedding_keys(checkpoint.config))
+    # fixed: the own copy, else the target's from the checkpoint; engine-legacy at PP > 1: the own copy
+    # only, the one embedding key under the spec layer prefix.
+    key = drafter_embedding_key(checkpoint) if policy == EmbeddingPolicy.FIXED else own_copy
     if key is None:
         stale = target.lm_head.weight if has_real_weight(target.lm_head) else None
         fill_unloaded(drafter.embed_tokens.weight, options.fill, stale)

@@ -2,7 +2,9 @@
 writing to the checkpoint (docs/engine-semantics.md §Drafter embedding and head under PP).
 
 Under tensor parallelism an engine's embedding holds its rank's rows of the vocabulary padded to a
-multiple of 64, with the padded rows zero; `check_vocab_shard` verifies that slice for one TP rank.
+multiple of 64, with the padded rows zero (vLLM's VocabParallelEmbedding, which refuses a padded
+vocabulary that does not split evenly); `check_vocab_shard` verifies one TP rank's slice of the
+repaired parameter against the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
 from specdoctor.runtime.loader import load_module
@@ -46,7 +49,12 @@ class RepairResult:
 def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """Rows [start, end) of the padded vocabulary that a tensor-parallel rank holds."""
     padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    per_rank = -(-padded // tp_size)
+    if padded % tp_size:
+        raise SpecdoctorError(
+            f"a vocabulary of {vocab_size} rows ({padded} padded to a multiple of {VOCAB_PADDING}) does not split "
+            f"over {tp_size} tensor-parallel ranks; vLLM refuses it too"
+        )
+    per_rank = padded // tp_size
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
@@ -63,19 +71,21 @@ def read_vocab_shard(checkpoint: Checkpoint, key: str, tp_size: int, tp_rank: in
 
 
 def check_vocab_shard(
-    checkpoint: Checkpoint, key: str, table: torch.Tensor, tp_size: int, tp_rank: int
+    checkpoint: Checkpoint, key: str, repaired: torch.Tensor, tp_size: int, tp_rank: int
 ) -> TpShardCheck:
-    """What a TP rank's vocab shard of the repair would hold: its rows of the table, padded rows zero."""
-    start, end = vocab_shard_range(table.shape[0], tp_size, tp_rank)
-    shard = read_vocab_shard(checkpoint, key, tp_size, tp_rank)
-    real = max(0, min(end, table.shape[0]) - start)
+    """Does TP rank `tp_rank`'s slice of the repaired parameter [V, H] hold the checkpoint's rows for that
+    rank, and would the rank's padded rows be zero, as an engine's VocabParallelEmbedding loads them?"""
+    start, end = vocab_shard_range(repaired.shape[0], tp_size, tp_rank)
+    shard = read_vocab_shard(checkpoint, key, tp_size, tp_rank)  # the rank's rows, padding zeroed
+    real = max(0, min(end, repaired.shape[0]) - start)
+    rows = repaired[start : start + real].detach().cpu()
     return TpShardCheck(
         tp_size,
         tp_rank,
         [start, end],
         real,
         shard.shape[0] - real,
-        bool(torch.equal(shard[:real], table[start : start + real].to(shard.dtype))),
+        bool(torch.equal(rows, shard[:real].to(rows.dtype))),
         bool((shard[real:] == 0).all()),
     )
 
@@ -83,7 +93,7 @@ def check_vocab_shard(
 def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) -> RepairResult:
     """Fill the named drafter tensors of a RankModel from the target checkpoint, one tensor read each."""
     checkpoint, drafter = model.checkpoint, model.drafter
-    device, dtype = model.device, next(model.stage.parameters()).dtype
+    device, dtype = model.device, model.dtype
     before, start = checkpoint.bytes_read, time.perf_counter()
     result = RepairResult()
     for name in names:
@@ -95,7 +105,7 @@ def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) 
             table = read_vocab_shard(checkpoint, key, 1, 0)[: checkpoint.config.vocab_size]
             drafter.embed_tokens = nn.Embedding.from_pretrained(table.to(device, dtype), freeze=True)
             if tp_size > 1:
-                result.tp_shard = check_vocab_shard(checkpoint, key, table, tp_size, tp_rank)
+                result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight, tp_size, tp_rank)
         else:
             module = drafter.get_submodule(name.removesuffix(".weight"))
             load_module(module, checkpoint, lambda _name, key=key: key)

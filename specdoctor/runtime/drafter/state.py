@@ -9,12 +9,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from specdoctor import kernels
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.drafter.keys import expected_key
 from specdoctor.runtime.drafter.loading import has_real_weight
+from specdoctor.runtime.models.mtp import MtpDrafter
 
 SAMPLED_ROWS = 64
 
@@ -75,31 +75,33 @@ def fingerprint_mismatch(checkpoint: Checkpoint, key: str, loaded: torch.Tensor)
     return mismatches, len(rows)
 
 
-def compared_modules(drafter) -> dict[str, nn.Module]:
-    """The drafter tensors worth comparing: embedding, heads, input projection and norms."""
-    out: dict[str, nn.Module] = {DRAFTER_EMBEDDING: drafter.embed_tokens}
-    for layer_id, layer in drafter.layers.items():
-        prefix = f"layers.{layer_id}."
-        out[prefix + "shared_head.head.weight"] = layer.shared_head.head
-        for part in ("eh_proj", "enorm", "hnorm", "shared_head.norm"):
-            out[f"{prefix}{part}.weight"] = layer.get_submodule(part)
-    return out
+# Tensors whose full statistics are worth a pass over them; every tensor is fingerprinted.
+STATS_PARTS = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
+
+
+def drafter_tensor_names(config) -> list[str]:
+    """Every parameter and buffer an MTP drafter has, from the module itself (built on the meta device)."""
+    with torch.device("meta"):
+        return list(MtpDrafter(config).state_dict())
 
 
 def measure_drafter(model) -> DrafterState:
-    """Measure the live drafter of a RankModel on the last rank."""
+    """Measure the live drafter of a RankModel on the last rank: every tensor against the checkpoint."""
     checkpoint, device = model.checkpoint, model.device
     state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled())
-    for name, module in compared_modules(model.drafter).items():
+    for name in drafter_tensor_names(checkpoint.config):
+        module_name, leaf = name.rsplit(".", 1)
+        module = model.drafter.get_submodule(module_name)
         if not has_real_weight(module):
             output = module(torch.arange(3, device=device)[None])
             echoed = isinstance(output, torch.Tensor) and not output.is_floating_point()
             state.placeholders[name] = Placeholder(type(module).__name__, echoed)
             continue
-        stats = tensor_stats(module.weight)
+        tensor = getattr(module, leaf)
+        stats = tensor_stats(tensor) if module_name.endswith(STATS_PARTS) else {"numel": tensor.numel()}
         key = expected_key(checkpoint, name)
         if key is not None:
-            stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, module.weight)
+            stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, tensor)
             stats["checkpoint_key"] = key
         state.tensors[name] = stats
     return state

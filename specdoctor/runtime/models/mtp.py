@@ -24,15 +24,14 @@ class MtpDrafter(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T] the token after each position (the target's, or the previous proposal)
-        prev_hidden: torch.Tensor,  # [B, T, H] target's last-layer output (pre-norm), or this drafter's own
+        prev_hidden: torch.Tensor,  # [B, T, H] the target's output after its final norm, or this drafter's own
         positions: torch.Tensor,  # [B, T]
-        step: int = 0,  # position in the draft chain; picks layer step % num_nextn_predict_layers
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [B, T, H] (fed to the next step), logits [B, T, V]
-        layer = self.layers[str(self.config.mtp_layer_ids[step % len(self.layers)])]
-        embeds = self.embed_tokens(tokens)
-        if not embeds.is_floating_point():  # an aliased PPMissingLayer hands back the token ids themselves
-            embeds = embeds[..., None].to(prev_hidden.dtype).expand_as(prev_hidden)
+        # Every chain step runs the first MTP layer, as vLLM 0.32's proposer does: it never passes the
+        # step index the model code would take modulo the layer count (docs/engine-semantics.md §MTP step).
+        layer = self.layers[str(self.config.mtp_layer_ids[0])]
+        embeds = self.embed_tokens(tokens)  # an aliased PPMissingLayer hands back the token ids: the step fails
         x = layer.eh_proj(
             kernels.mtp_input(embeds, prev_hidden, positions, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps)
         )

@@ -47,5 +47,11 @@ class TargetStage(nn.Module):
             x = layer(x, positions, rotary, cache)
         return x
 
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final-normed hidden states [B, T, H], logits [B, T, V]) of the last stage's output [B, T, H].
+        The normed states are what engines feed the MTP drafter (docs/engine-semantics.md §MTP step)."""
+        final = self.model.norm(hidden)
+        return final, self.lm_head(final)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V]
-        return self.lm_head(self.model.norm(hidden))
+        return self.head(hidden)[1]

@@ -1,0 +1,118 @@
+"""Goldens from vLLM's own code, printed as JSON. Runs inside the peer environment (vLLM installed,
+specdoctor not): `python tests/peer/vllm_goldens.py DEMO_DIR TIED_DEMO_DIR`.
+
+- get_pp_indices over a grid of (layers, PP size), and explicit VLLM_PP_LAYER_PARTITION strings;
+- VocabParallelEmbedding's padding and each TP rank's row range, TP 1-8;
+- what Glm4MoeForCausalLM builds on each PP rank (embedding, head, layers), tied and untied, from the
+  model class itself with the PP group's rank faked and every tensor on the meta device; and whether
+  it builds that rank at all (it raises "No Glm4MoE layer found" on a rank without an MoE layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+PP_GRID = [(layers, pp) for layers in (1, 2, 3, 4, 5, 7, 8, 12, 45, 61, 92) for pp in range(1, 9)]
+PARTITIONS = [(45, 4, "14,12,12,7"), (4, 4, "0,2,2,0"), (45, 4, "45,0,0,0"), (4, 2, ""), (4, 2, "1,2"), (4, 2, "a,b")]
+VOCABS = (300, 320, 2048, 32000, 50257, 129280, 151552)
+
+
+def pp_indices() -> dict:
+    from vllm.distributed.utils import get_pp_indices
+
+    os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+    grid = {f"{n},{pp}": [list(get_pp_indices(n, rank, pp)) for rank in range(pp)] for n, pp in PP_GRID}
+    explicit = {}
+    for n, pp, spec in PARTITIONS:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = spec
+        try:
+            explicit[f"{n},{pp},{spec}"] = [list(get_pp_indices(n, rank, pp)) for rank in range(pp)]
+        except ValueError:
+            explicit[f"{n},{pp},{spec}"] = "error"
+    os.environ.pop("VLLM_PP_LAYER_PARTITION")
+    return {"grid": grid, "explicit": explicit}
+
+
+def vocab_shards() -> dict:
+    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size, vocab_range_from_global_vocab_size
+
+    out = {}
+    for vocab in VOCABS:
+        padded = pad_vocab_size(vocab)
+        for tp in range(1, 9):
+            try:
+                out[f"{vocab},{tp}"] = [list(vocab_range_from_global_vocab_size(padded, r, tp)) for r in range(tp)]
+            except AssertionError:  # vLLM's divide(): the padded vocabulary does not split evenly
+                out[f"{vocab},{tp}"] = "error"
+    return out
+
+
+class FakePPGroup:
+    def __init__(self, rank: int, size: int):
+        self.rank_in_group, self.world_size = rank, size
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+
+def placements(models: dict[str, str]) -> dict:
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.model_executor.models.glm4_moe as glm4_moe
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    refused = []
+    original = glm4_moe.Glm4MixtureOfExperts.extract_moe_parameters
+
+    def record_refusal(self, example_moe):  # vLLM raises here; note it and let the rest of __init__ run
+        if example_moe is None:
+            refused.append(True)
+            return
+        original(self, example_moe)
+
+    glm4_moe.Glm4MixtureOfExperts.extract_moe_parameters = record_refusal
+    configs = {name: ModelConfig(model=path, dtype="float32") for name, path in models.items()}
+    with set_current_vllm_config(VllmConfig(model_config=next(iter(configs.values())))):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+        initialize_model_parallel(1, 1)
+    out = {}
+    for name, model_config in configs.items():
+        for pp in range(1, 5):
+            ranks = []
+            for rank in range(pp):
+                group = FakePPGroup(rank, pp)
+                glm4_moe.get_pp_group = parallel_state.get_pp_group = lambda group=group: group
+                vllm_config = VllmConfig(model_config=model_config)  # attention layers register names per config
+                refused.clear()
+                with set_current_vllm_config(vllm_config), torch.device("meta"):
+                    model = glm4_moe.Glm4MoeForCausalLM(vllm_config=vllm_config)
+                ranks.append(
+                    {
+                        "layers": [model.model.start_layer, model.model.end_layer],
+                        "has_embedding": type(model.model.embed_tokens).__name__ != "PPMissingLayer",
+                        "has_head": type(model.lm_head).__name__ != "PPMissingLayer",
+                        "refuses_without_moe_layer": bool(refused),
+                    }
+                )
+            out[f"{name},{pp}"] = ranks
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29531")
+    goldens = {
+        "pp": pp_indices(),
+        "vocab": vocab_shards(),
+        "placement": placements({"untied": sys.argv[1], "tied": sys.argv[2]}),
+    }
+    print("GOLDENS " + json.dumps(goldens))

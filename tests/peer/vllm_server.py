@@ -1,0 +1,88 @@
+"""vLLM's OpenAI-compatible server, started from the peer environment on loopback and stopped again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from specdoctor.probe import prometheus
+from specdoctor.runtime.metrics import SpecMetrics
+from tests.helpers.servers import free_port
+from tests.peer.vllm_env import PeerUnavailable, ensure_vllm
+
+START_TIMEOUT_S = 400  # measured start-up on 2 cores: 80-100 s
+# What the CPU build needs on a small machine: 1 GiB of KV cache space.
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts."""
+
+    def __init__(self, model: Path, k: int, served_name: str = "demo", extra_env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
+        command = [str(ensure_vllm()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        command += ["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "512"]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if k:
+            command += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+        env = os.environ | SERVER_ENV | (extra_env or {})
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self._wait_until_healthy()
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PeerUnavailable(f"vLLM's server exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise PeerUnavailable(f"vLLM's server did not answer /health within {START_TIMEOUT_S} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 3) -> str:
+        return " | ".join(Path(self.log.name).read_text(errors="replace").strip().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the engine core is a child process of its own
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        self.log.close()
+
+
+def scrape(url: str) -> tuple[SpecMetrics, float]:
+    """vLLM's speculative counters and its generation-token counter."""
+    samples = prometheus.parse(httpx.get(f"{url}/metrics", timeout=30).text)
+    return prometheus.spec_counters(samples), prometheus.counter(samples, "vllm:generation_tokens") or 0.0
+
+
+def completion_with_counters(url: str, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecMetrics]:
+    """One greedy request's token ids and its own speculative counters (the /metrics difference around it;
+    sent alone, so nothing else is counted)."""
+    before, generated = scrape(url)
+    body = {"model": "demo", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    deadline = time.monotonic() + 30
+    while True:  # the counters are recorded just after the response is sent: wait until they hold this request
+        after, now = scrape(url)
+        if now >= generated + len(tokens) or time.monotonic() > deadline:
+            return tokens, prometheus.difference(after, before)
+        time.sleep(0.05)
