@@ -75,7 +75,8 @@ def test_inspect_reports_missing_mtp_tensor(tiny):
 def test_inspect_finds_embedding_under_language_model_prefix(tiny):
     rename_key(tiny, "model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
     summary = json.loads(specdoctor("inspect", "--model", str(tiny), "--json").stdout)
-    assert summary["embedding"] is None
+    # The target's embedding is found under the multimodal prefix, and it is what the drafter reads.
+    assert summary["embedding"]["key"] == "model.language_model.embed_tokens.weight"
     assert summary["draft_embedding"]["key"] == "model.language_model.embed_tokens.weight"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdoctor.report import Finding
+from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.drafter.keys import (
     TARGET_HEAD,
@@ -13,7 +14,6 @@ from specdoctor.runtime.drafter.keys import (
     own_head_key,
     target_embedding_key,
 )
-from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.partition import Placement
 
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
@@ -85,7 +85,18 @@ def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
 
 
 def mtp_tensors(checkpoint: Checkpoint) -> list[Finding]:
+    shared = [key for key in checkpoint.config.mtp_keys.shared_keys if key not in checkpoint.tensors]
     findings = []
+    if checkpoint.config.num_nextn_predict_layers and shared:
+        findings.append(
+            Finding(
+                "mtp.tensors",
+                "error",
+                f"the MTP drafter lacks {len(shared)} shared tensor(s), first {shared[0]}",
+                "a quantisation ignore list or export may have dropped them",
+                data={"missing": shared},
+            )
+        )
     for layer_id in checkpoint.config.mtp_layer_ids:
         expected = expected_mtp_keys(checkpoint.config, layer_id)
         missing = [k for k in expected if k not in checkpoint.tensors]
@@ -166,7 +177,7 @@ def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Fin
 
 def ranks_without_moe_layer(config, ranks: list[Placement]) -> list[int]:
     """The ranks vLLM's model refuses to build for a family that needs an MoE layer on every rank."""
-    if not (config.n_routed_experts and family_of(config).needs_moe_layer_per_rank):
+    if not (config.n_routed_experts and ARCHITECTURES[config.architecture].needs_moe_layer_per_rank):
         return []
     return [r.rank for r in ranks if not any(config.is_moe_layer(layer) for layer in r.layers)]
 
@@ -181,7 +192,7 @@ def engine_placement(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Fin
             "placement.moe_layer",
             "warning",
             f"vLLM 0.32's {checkpoint.config.architecture} refuses to build {where}: no MoE layer there "
-            "('No Glm4MoE layer found in model.layers.')",
+            "(its model raises 'No ... layer found in model.layers.')",
             "give every rank an MoE layer (--pp-partition or VLLM_PP_LAYER_PARTITION); specdoctor's runtime runs it",
             data={"ranks": refused},
         )

@@ -126,6 +126,7 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
     if options.batch_size < 1 or options.max_tokens < 1:
         raise SpecdoctorError("--batch-size and --max-tokens must be at least 1")
     checkpoint = Checkpoint(options.runtime.model)
+    checkpoint.require_runnable()
     prompts, _ = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, options.runtime.tokenizer))
     ks = sorted(set(options.speculative_tokens) - {0})
     batches = -(-len(prompts) // options.batch_size)

@@ -93,10 +93,8 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     report = CheckReport(str(checkpoint.path), settings, [placement_row(r) for r in ranks], findings)
     if checkpoint.config.num_nextn_predict_layers == 0:
         return report  # nothing to run: the pre-flight error says why
-    if checkpoint.quantization:
-        report.preflight.append(
-            runtime_skipped(f"{checkpoint.quantization} weights are not dequantised by the runtime yet")
-        )
+    if checkpoint.unrunnable_reason():
+        report.preflight.append(runtime_skipped(checkpoint.unrunnable_reason()))
         return report
     run_stages(report, options, checkpoint, show_progress)
     return report

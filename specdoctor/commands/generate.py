@@ -62,6 +62,7 @@ def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, s
     if not prompts:
         raise SpecdoctorError("give at least one --prompt or --prompts-file")
     checkpoint = Checkpoint(runtime.model)
+    checkpoint.require_runnable()
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to turn prompts into tokens")
     ids = [codec.encode(p) for p in prompts]
     if launched_by_torchrun():

@@ -9,9 +9,10 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from specdoctor.commands.options import JsonFlagOption, ModelOption
+from specdoctor.commands.options import JsonFlagOption, ModelOption, runtime_field_option
+from specdoctor.report import Finding, findings_table
 
-MTP_PARTS_SHOWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+PipelineSizeOption = runtime_field_option("pp")
 CONFIG_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -26,11 +27,12 @@ CONFIG_FIELDS = (
 )
 
 
-def inspect(model: ModelOption, as_json: JsonFlagOption = False) -> None:
-    """Describe a checkpoint from its headers alone: sizes, keys, where the drafter's tensors live."""
+def inspect(model: ModelOption, pp: PipelineSizeOption = 1, as_json: JsonFlagOption = False) -> None:
+    """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
+    keys, where the drafter's tensors live, the placement at --pp ranks and the pre-flight's findings."""
     from specdoctor.runtime.checkpoint import Checkpoint
 
-    summary = summarize(Checkpoint(model))
+    summary = summarize(Checkpoint(model), pp)
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
@@ -44,22 +46,28 @@ def describe(info) -> dict | None:
     return {"key": info.key, "shard": info.shard, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes}
 
 
-def summarize(checkpoint) -> dict:
+def summarize(checkpoint, pp: int = 1) -> dict:
+    from dataclasses import asdict
+
+    from specdoctor.checks.preflight import preflight
+    from specdoctor.commands.check import placement_row
+    from specdoctor.runtime.architectures import ARCHITECTURES
     from specdoctor.runtime.drafter.keys import (
-        TARGET_EMBEDDING,
         TARGET_HEAD,
         drafter_embedding_key,
         embedding_candidates,
         expected_mtp_keys,
+        target_embedding_key,
     )
+    from specdoctor.runtime.partition import placements
 
-    config = checkpoint.config
-    tensors = checkpoint.tensors
+    config, tensors = checkpoint.config, checkpoint.tensors
+    layout = config.mtp_keys
     mtp_layers = []
     for layer_id in config.mtp_layer_ids:
-        expected = expected_mtp_keys(config, layer_id)
-        prefix = config.mtp_keys.prefix(layer_id)
+        prefix = layout.prefix(layer_id)
         present = sorted(k for k in tensors if k.startswith(prefix))
+        expected = expected_mtp_keys(config, layer_id)
         mtp_layers.append(
             {
                 "layer": layer_id,
@@ -68,26 +76,36 @@ def summarize(checkpoint) -> dict:
                 "missing": [k for k in expected if k not in tensors],
             }
         )
+    ranks = placements(config, pp)
     return {
         "path": str(checkpoint.path),
         "layout": checkpoint.layout,
         "architecture": config.architecture,
+        "runtime": checkpoint.unrunnable_reason() or "runs",
+        "mtp_layout": layout.name,
+        "vllm_drafter": ARCHITECTURES[config.architecture].vllm_drafter,
         "quantization": checkpoint.quantization,
         "config": {name: getattr(config, name) for name in CONFIG_FIELDS},
         "num_keys": len(tensors),
         "num_shards": len({t.shard for t in tensors.values()}),
         "total_bytes": sum(t.nbytes for t in tensors.values()),
         "dtypes": dict(Counter(t.dtype for t in tensors.values()).most_common()),
-        "embedding": describe(tensors.get(TARGET_EMBEDDING)),
+        "embedding": describe(tensors.get(target_embedding_key(checkpoint))),
         "lm_head": describe(tensors.get(TARGET_HEAD)),
+        "mtp_shared_tensors": {key: describe(tensors.get(key)) for key in layout.shared_keys},
         "mtp_layers": mtp_layers,
+        "mtp_layer_keys": [*layout.layer_keys, *(k for k in (layout.own_embedding, layout.own_head) if k)],
         "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
+        "placement": [placement_row(rank) for rank in ranks],
+        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks)],
     }
 
 
 def render_summary(summary: dict, console: Console) -> None:
     overview = Table(title=f"{summary['path']}", show_header=False)
-    overview.add_row("architecture", summary["architecture"])
+    for label, key in (("architecture", "architecture"), ("runtime", "runtime"), ("MTP layout", "mtp_layout")):
+        overview.add_row(label, summary[key])
+    overview.add_row("vLLM 0.32 drafter", summary["vllm_drafter"])
     overview.add_row("quantization", summary["quantization"] or "none (floating-point weights)")
     overview.add_row("layout", summary["layout"])
     for name, value in summary["config"].items():
@@ -96,35 +114,49 @@ def render_summary(summary: dict, console: Console) -> None:
     overview.add_row("total bytes", f"{summary['total_bytes']:,} ({summary['total_bytes'] / 2**20:.1f} MiB)")
     overview.add_row("dtypes", ", ".join(f"{d}: {n}" for d, n in summary["dtypes"].items()))
     console.print(overview)
-
-    where = Table(title="Where the drafter's tensors live")
-    where.add_column("tensor")
-    where.add_column("key", overflow="fold")
-    where.add_column("shard", overflow="fold")
-    where.add_column("dtype")
-    where.add_column("shape")
-    for label in ("embedding", "lm_head"):
-        info = summary[label]
-        row = (info["key"], info["shard"], info["dtype"], str(tuple(info["shape"]))) if info else ("absent", "", "", "")
-        where.add_row(label, *row)
-    for layer in summary["mtp_layers"]:
-        prefix = layer["prefix"]
-        for info in layer["tensors"]:
-            part = info["key"][len(prefix) :]
-            if part.split(".")[0] in MTP_PARTS_SHOWN:
-                where.add_row(
-                    f"MTP {layer['layer']}", info["key"], info["shard"], info["dtype"], str(tuple(info["shape"]))
-                )
-        shards = sorted({info["shard"] for info in layer["tensors"]})
-        where.add_row(
-            f"MTP {layer['layer']}", f"{prefix}* ({len(layer['tensors'])} tensors)", ", ".join(shards), "", ""
-        )
-        for key in layer["missing"]:
-            where.add_row(f"MTP {layer['layer']}", key, "[red]missing[/red]", "", "")
-    console.print(where)
-
+    console.print(drafter_table(summary))
     draft = summary["draft_embedding"]["key"]
     if draft:
         console.print(f"Draft embedding source: [bold]{draft}[/bold] (first present of the candidate keys)")
     else:
         console.print("[red]Draft embedding source: none of the candidate keys is in the checkpoint[/red]")
+    placement = Table(title=f"Placement · PP {len(summary['placement'])}")
+    for column in ("rank", "layers", "embedding", "head", "drafter"):
+        placement.add_column(column)
+    for rank in summary["placement"]:
+        flags = ("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter"))
+        placement.add_row(str(rank["rank"]), f"[{rank['layers'][0]}, {rank['layers'][1]})", *flags)
+    console.print(placement)
+    findings = [Finding(**finding) for finding in summary["preflight"]]
+    console.print(findings_table("Pre-flight (headers only)", findings))
+
+
+def drafter_table(summary: dict) -> Table:
+    where = Table(title="Where the drafter's tensors live")
+    for column in ("tensor", "key", "shard", "dtype", "shape"):
+        where.add_column(column, overflow="fold")
+
+    def row(label: str, info: dict | None, key: str = "") -> None:
+        shape = str(tuple(info["shape"])) if info else ""
+        where.add_row(
+            label,
+            info["key"] if info else key or "absent",
+            info["shard"] if info else "",
+            info["dtype"] if info else "",
+            shape,
+        )
+
+    row("embedding", summary["embedding"])
+    row("lm_head", summary["lm_head"])
+    for key, info in summary["mtp_shared_tensors"].items():
+        row("MTP (shared)", info, f"{key} [red]missing[/red]")
+    for layer in summary["mtp_layers"]:
+        label = f"MTP {layer['layer']}"
+        for info in layer["tensors"]:
+            if info["key"].removeprefix(layer["prefix"]) in summary["mtp_layer_keys"]:
+                row(label, info)
+        shards = ", ".join(sorted({info["shard"] for info in layer["tensors"]}))
+        where.add_row(label, f"{layer['prefix']}* ({len(layer['tensors'])} tensors)", shards, "", "")
+        for key in layer["missing"]:
+            where.add_row(label, key, "[red]missing[/red]", "", "")
+    return where

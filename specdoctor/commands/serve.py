@@ -82,6 +82,7 @@ def run_serve(options: ServeOptions) -> None:
     console = Console(stderr=True)
     runtime = options.runtime
     checkpoint = Checkpoint(runtime.model)
+    checkpoint.require_runnable()
     placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
     check_port_free(options.host, options.port)

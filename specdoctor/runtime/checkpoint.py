@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.models.registry import read_config
+from specdoctor.runtime.models.registry import FAMILIES, is_runnable, read_config
 from specdoctor.runtime.quantization import quantization_scheme
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -218,6 +218,22 @@ class Checkpoint:
             key, name = next((k, n) for k, n in shard_of.items() if k not in tensors)
             raise CheckpointError(f"{self.path / INDEX_FILE}: tensor {key!r} is listed in {name} but not stored there")
         return tensors
+
+    def unrunnable_reason(self) -> str | None:
+        """Why the runtime will not compute with this checkpoint, or None: an architecture it does not run,
+        or quantised weights it does not dequantise (never cast without their scales)."""
+        if not is_runnable(self.config):
+            return f"the runtime does not run {self.config.architecture} yet (it runs {', '.join(FAMILIES)})"
+        if self.quantization:
+            return f"{self.quantization} weights are not dequantised by the runtime yet"
+        return None
+
+    def require_runnable(self) -> None:
+        reason = self.unrunnable_reason()
+        if reason:
+            raise CheckpointError(
+                f"{self.path}: {reason}, so it will not run them; inspect and check's pre-flight still read the headers"
+            )
 
     def first_present(self, candidates: list[str]) -> str | None:
         """The first candidate key the checkpoint holds, or None."""

@@ -10,12 +10,17 @@ from specdoctor.errors import CheckpointError
 
 @dataclass(frozen=True)
 class MtpKeyLayout:
-    """Where a family's checkpoint keeps its MTP layers; the default is DeepSeek-V3 / GLM's
-    (docs/engine-semantics.md §MTP step)."""
+    """Where a checkpoint keeps its MTP layers; the default is DeepSeek-V3 / GLM's (docs/engine-semantics.md
+    §MTP step). runtime/architectures.py names the layout of every architecture."""
 
-    layer_prefix: str = "model.layers.{layer}."  # an MTP layer's tensors; layer counts on from the target's
-    own_embedding: str = "embed_tokens.weight"  # the layer's own embedding copy, where shipped
-    own_head: str = "shared_head.head.weight"
+    name: str = "deepseek"
+    layer_prefix: str = "model.layers.{layer}."  # an MTP layer's tensors
+    numbered_after_target: bool = True  # layer N+i after N target layers; else 0..n-1
+    own_embedding: str | None = "embed_tokens.weight"  # the layer's own embedding copy, where shipped
+    own_head: str | None = "shared_head.head.weight"  # and its own head
+    layer_keys: tuple[str, ...] = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+    shared_keys: tuple[str, ...] = ()  # keys the drafter has once, outside its layers
+    count_fields: tuple[str, ...] = ("num_nextn_predict_layers", "num_mtp_layers")  # config: how many layers
 
     def prefix(self, layer_id: int) -> str:
         return self.layer_prefix.format(layer=layer_id)
@@ -39,6 +44,17 @@ class RawConfig:
 
     def get(self, name: str, default=None):
         return self.raw.get(name, default)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.raw.get("eos_token_id")
+        return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+    def mtp_layer_count(self, layout: MtpKeyLayout) -> int:
+        """The number of MTP layers, from the first of the layout's count fields that config.json has."""
+        value = next((self.raw[name] for name in layout.count_fields if self.raw.get(name) is not None), 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{self.source}: the number of MTP layers must be a whole number, got {value!r}")
+        return value
 
     @property
     def architecture(self) -> str | None:
@@ -78,8 +94,8 @@ class ModelConfig:
 
     @property
     def mtp_layer_ids(self) -> list[int]:
-        """Checkpoint layer indices of the MTP layers (they follow the target's layers)."""
-        first = self.num_hidden_layers
+        """Checkpoint layer indices of the MTP layers (after the target's layers, or from 0)."""
+        first = self.num_hidden_layers if self.mtp_keys.numbered_after_target else 0
         return list(range(first, first + self.num_nextn_predict_layers))
 
     def is_moe_layer(self, layer_id: int) -> bool:

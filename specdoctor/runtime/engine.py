@@ -24,7 +24,6 @@ from specdoctor.runtime.drafter.state import DrafterState
 from specdoctor.runtime.generation import GenerateRequest, GenerateResult, check_request
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
-from specdoctor.runtime.quantization import refuse_quantized
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import model_eos_token_ids
 from specdoctor.runtime.worker import rank_main
@@ -59,7 +58,7 @@ class Engine:
             )
         # Validate in this process first, so bad input fails before any rank starts.
         self.checkpoint = checkpoint or Checkpoint(options.model)
-        refuse_quantized(self.checkpoint)
+        self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
         self.placements = placements(self.config, options.pp, options.pp_partition)
         # Ranks open the resolved directory ("demo" and Hugging Face ids resolved once, here).

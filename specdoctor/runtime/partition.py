@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.models.registry import family_of
 
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
@@ -71,7 +71,7 @@ class Placement:
 def placements(config: ModelConfig, pp: int, spec: str | None = None) -> list[Placement]:
     ranges = layer_ranges(config.num_hidden_layers, pp, spec)
     last = pp - 1
-    tied_on_last = config.tie_word_embeddings and family_of(config).tied_embedding_on_last_rank
+    tied_on_last = config.tie_word_embeddings and ARCHITECTURES[config.architecture].tied_embedding_on_last_rank
     return [
         Placement(
             rank=rank,

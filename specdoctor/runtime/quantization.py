@@ -6,8 +6,6 @@ cast packed integers or FP8 values without their scales (a silently wrong model)
 
 from __future__ import annotations
 
-from specdoctor.errors import CheckpointError
-
 # Tensor-name endings that only quantised checkpoints have: FP8 block scales, AutoAWQ, compressed-tensors.
 QUANTISED_SUFFIXES = ("weight_scale_inv", "qweight", "qzeros", "weight_packed", "weight_scale", "weight_zero_point")
 FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -44,12 +42,3 @@ def describe_config(config: dict) -> str:
         details += [f"group {weights['group_size']}"] if weights.get("group_size") else []
         return f"compressed-tensors ({', '.join(details)})"
     return method
-
-
-def refuse_quantized(checkpoint) -> None:
-    """Stop before any rank computes with weights it cannot dequantise."""
-    if checkpoint.quantization:
-        raise CheckpointError(
-            f"{checkpoint.path}: {checkpoint.quantization} weights: the runtime does not dequantise them yet and "
-            "will not run them (inspect and check's pre-flight still read the headers)"
-        )

@@ -22,7 +22,6 @@ from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_bat
 from specdoctor.runtime.loader import load_target_stage
 from specdoctor.runtime.options import Device, RuntimeOptions
 from specdoctor.runtime.partition import placements
-from specdoctor.runtime.quantization import refuse_quantized
 
 # Operations only the drafter's rank answers: what the live drafter holds, and its repair.
 DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}
@@ -41,7 +40,7 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     """Build this rank's stage (and the drafter on the last rank), reading only the tensors it owns."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
     checkpoint = Checkpoint(options.model)
-    refuse_quantized(checkpoint)  # also under torchrun, where no Engine checked first
+    checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
     placement = placements(checkpoint.config, options.pp, options.pp_partition)[rank]
     stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
     drafter, provenance = None, Provenance()

@@ -12,7 +12,7 @@ import torch
 
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.models.registry import family_of
+from specdoctor.runtime.models.registry import family_of, is_runnable
 
 DRAFTER_EMBEDDING = "embed_tokens.weight"  # the drafter's parameter name
 TARGET_EMBEDDING = "model.embed_tokens.weight"  # the target's parameter name
@@ -29,13 +29,15 @@ TARGET_EMBEDDING_KEYS = (
 )
 
 
-def own_embedding_key(config: ModelConfig, layer_id: int) -> str:
-    """The MTP layer's own copy of the embedding, where a checkpoint ships one."""
-    return config.mtp_keys.prefix(layer_id) + config.mtp_keys.own_embedding
+def own_embedding_key(config: ModelConfig, layer_id: int) -> str | None:
+    """The MTP layer's own copy of the embedding, where the layout has one (a checkpoint may still omit it)."""
+    own = config.mtp_keys.own_embedding
+    return config.mtp_keys.prefix(layer_id) + own if own else None
 
 
-def own_head_key(config: ModelConfig, layer_id: int) -> str:
-    return config.mtp_keys.prefix(layer_id) + config.mtp_keys.own_head
+def own_head_key(config: ModelConfig, layer_id: int) -> str | None:
+    own = config.mtp_keys.own_head
+    return config.mtp_keys.prefix(layer_id) + own if own else None
 
 
 def drafter_head_name(layer_id: int) -> str:
@@ -48,7 +50,7 @@ def is_drafter_head(name: str) -> bool:
 
 
 def own_embedding_keys(config: ModelConfig) -> list[str]:
-    return [own_embedding_key(config, i) for i in config.mtp_layer_ids]
+    return [key for i in config.mtp_layer_ids if (key := own_embedding_key(config, i))]
 
 
 def embedding_candidates(config: ModelConfig) -> list[str]:
@@ -108,7 +110,10 @@ def target_key_for(checkpoint: Checkpoint):
 
 
 def expected_mtp_keys(config: ModelConfig, layer_id: int) -> list[str]:
-    """Every key an MTP layer needs, from the family's module itself (built on the meta device: no memory)."""
+    """Every key an MTP layer needs: for a family the runtime runs, from its module itself (built on the meta
+    device: no memory); for another, the layout's own keys (its decoder block is not known in detail)."""
+    if not is_runnable(config):
+        return [config.mtp_keys.prefix(layer_id) + name for name in config.mtp_keys.layer_keys]
     with torch.device("meta"):
         layer = family_of(config).mtp_layer(config, layer_id)
     return [config.mtp_keys.prefix(layer_id) + name for name in layer.state_dict()]

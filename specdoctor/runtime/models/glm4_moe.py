@@ -11,23 +11,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdoctor.runtime.config import ModelConfig, RawConfig
+from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
 from specdoctor.runtime.kv_cache import KVCache
 from specdoctor.runtime.models.layers import MLP, Attention, MoE, RMSNorm, SharedHead
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 
 
-def read_config(raw: RawConfig) -> ModelConfig:
+def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:
     hidden = raw.need("hidden_size")
     heads = raw.need("num_attention_heads")
     head_dim = int(raw.get("head_dim") or hidden // heads)
     # Older GLM configs keep rope settings at the top level; newer ones under rope_parameters.
     rope = raw.get("rope_parameters") or {}
     partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))
-    eos = raw.get("eos_token_id")
     return ModelConfig(
-        architecture=ARCHITECTURE,
+        architecture=architecture,
         vocab_size=raw.need("vocab_size"),
         hidden_size=hidden,
         intermediate_size=raw.need("intermediate_size"),
@@ -49,10 +48,11 @@ def read_config(raw: RawConfig) -> ModelConfig:
         first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0),
+        num_nextn_predict_layers=raw.mtp_layer_count(layout),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        eos_token_ids=raw.eos_token_ids(),
+        mtp_keys=layout,
     )
 
 

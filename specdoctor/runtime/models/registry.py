@@ -1,7 +1,8 @@
-"""The model families the runtime runs, keyed by `architectures[0]` of config.json.
+"""The model families the runtime runs, keyed by `architectures[0]` of config.json, and the config of
+every architecture whose MTP layout is known (runtime/architectures.py), runnable or not.
 
 A family module declares its config mapping (`read_config`), its target decoder block and its MTP
-layer; adding a family touches that module, this table and the tests.
+layer; adding a family touches that module, this table, runtime/architectures.py and the tests.
 """
 
 from __future__ import annotations
@@ -12,32 +13,19 @@ from dataclasses import dataclass
 from torch import nn
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.config import ModelConfig, RawConfig
+from specdoctor.runtime.architectures import ARCHITECTURES
+from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
 from specdoctor.runtime.models import glm4_moe
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    read_config: Callable[[RawConfig], ModelConfig]
+    read_config: Callable[[RawConfig, str, MtpKeyLayout], ModelConfig]  # (fields, architecture, MTP layout)
     decoder_layer: type[nn.Module]  # a target block: (config, layer_id)
     mtp_layer: type[nn.Module]  # an MTP layer: (config, layer_id)
-    # Whether vLLM's model builds the embedding on the last PP rank too when tie_word_embeddings is set
-    # (Llama-style models do; GLM-4.5 MoE and DeepSeek ignore the flag): docs/engine-semantics.md §Ownership.
-    tied_embedding_on_last_rank: bool
-    # Whether vLLM's model refuses to build a PP rank whose layers hold no MoE layer (GLM-4.5 MoE: "No Glm4MoE
-    # layer found in model.layers."): docs/engine-semantics.md §Ownership.
-    needs_moe_layer_per_rank: bool
 
 
-FAMILIES = {
-    glm4_moe.ARCHITECTURE: ModelFamily(
-        glm4_moe.read_config,
-        glm4_moe.DecoderLayer,
-        glm4_moe.MtpLayer,
-        tied_embedding_on_last_rank=False,
-        needs_moe_layer_per_rank=True,
-    )
-}
+FAMILIES = {glm4_moe.ARCHITECTURE: ModelFamily(glm4_moe.read_config, glm4_moe.DecoderLayer, glm4_moe.MtpLayer)}
 # config.json files without `architectures` are read as the first family's, as before.
 DEFAULT_ARCHITECTURE = glm4_moe.ARCHITECTURE
 
@@ -46,13 +34,59 @@ def family_of(config: ModelConfig) -> ModelFamily:
     return FAMILIES[config.architecture]
 
 
+def is_runnable(config: ModelConfig) -> bool:
+    return config.architecture in FAMILIES
+
+
 def read_config(raw, source: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a parsed config.json, by its family's mapping; validated."""
+    """The ModelConfig of a parsed config.json, by its family's mapping (or, for an architecture the
+    runtime cannot run, the fields the header-only commands need); validated."""
     fields = RawConfig(raw, source)
     architecture = fields.architecture or DEFAULT_ARCHITECTURE
-    if architecture not in FAMILIES:
-        supported = ", ".join(FAMILIES)
-        raise CheckpointError(f"{source}: architecture {architecture!r} is not supported (supported: {supported})")
-    config = FAMILIES[architecture].read_config(fields)
+    if architecture not in ARCHITECTURES:
+        known = ", ".join(ARCHITECTURES)
+        raise CheckpointError(
+            f"{source}: architecture {architecture!r} is not supported: its MTP layout is unknown (known: {known})"
+        )
+    reader = FAMILIES[architecture].read_config if architecture in FAMILIES else header_only_config
+    if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: the language model's fields
+        fields = RawConfig(raw["text_config"], source)
+    config = reader(fields, architecture, ARCHITECTURES[architecture].mtp)
     config.validate(source)
     return config
+
+
+def header_only_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:
+    """What inspect and the pre-flight need of an architecture the runtime cannot run: sizes, layers,
+    the MTP layer count, tying; the compute fields are left neutral."""
+    hidden, heads = raw.need("hidden_size"), int(raw.get("num_attention_heads") or 1)
+    experts = int(raw.get("n_routed_experts") or raw.get("num_experts") or 0)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=raw.need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        num_hidden_layers=raw.need("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rotary_dim=0,
+        rope_theta=float(raw.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+        attention_bias=False,
+        use_qk_norm=False,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        n_routed_experts=experts,
+        num_experts_per_tok=min(int(raw.get("num_experts_per_tok") or 1), max(experts, 1)),
+        n_shared_experts=0,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        num_nextn_predict_layers=raw.mtp_layer_count(layout),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        eos_token_ids=raw.eos_token_ids(),
+        mtp_keys=layout,
+    )
