@@ -20,6 +20,17 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
+def logits_error(path, model, batch: int, length: int, seed: int) -> float:
+    """The runtime's logits at every position of random ids against the transformers model's."""
+    stage = full_stage(path)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = model(ids).logits
+        ours = stage.logits(stage(ids, torch.arange(length).expand(batch, -1)))
+    assert ours.shape == expected.shape
+    return relative_error(ours, expected)
+
+
 def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
     checkpoint = Checkpoint(hf_checkpoint[0])
     assert checkpoint.layout == "index"
@@ -32,28 +43,24 @@ def test_logits_match_transformers_at_every_position(hf_checkpoint, monkeypatch,
     monkeypatch.setattr(
         "specdoctor.runtime.models.layers.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0
     )
-    path, reference = hf_checkpoint
+    assert logits_error(*hf_checkpoint, batch=4, length=23, seed=1) < 1e-4
+
+
+def assert_greedy_tokens_match_generate(path, model, prompt_lengths: tuple[int, ...], new_tokens: int) -> None:
+    """The runtime's greedy tokens through its KV cache equal transformers' `generate` on random prompts."""
     stage = full_stage(path)
-    ids = torch.randint(0, reference.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits
-        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        ours = stage.logits(stage(ids, positions))
-    assert ours.shape == expected.shape
-    assert relative_error(ours, expected) < 1e-4
-    assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4
+    generator = torch.Generator().manual_seed(2)
+    for length in prompt_lengths:
+        prompt = torch.randint(0, model.config.vocab_size, (1, length), generator=generator)
+        with torch.no_grad():
+            expected = model.generate(
+                prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert greedy_generate(stage, [prompt[0].tolist()], new_tokens)[0] == expected[0, length:].tolist()
 
 
 def test_greedy_tokens_with_kv_cache_match_transformers_generate(hf_checkpoint):
-    path, reference = hf_checkpoint
-    stage = full_stage(path)
-    generator = torch.Generator().manual_seed(2)
-    for length in (5, 11):
-        prompt = torch.randint(0, reference.config.vocab_size, (1, length), generator=generator)
-        with torch.no_grad():
-            expected = reference.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-        ours = greedy_generate(stage, [prompt[0].tolist()], 32)[0]
-        assert ours == expected[0, length:].tolist()
+    assert_greedy_tokens_match_generate(*hf_checkpoint, prompt_lengths=(5, 11), new_tokens=32)
 
 
 def test_batched_prompts_of_different_lengths_equal_one_at_a_time(hf_checkpoint):
@@ -75,12 +82,7 @@ def test_batched_prompts_of_different_lengths_equal_one_at_a_time(hf_checkpoint)
 )
 def test_config_variants_match_transformers(tmp_path, overrides):
     reference = make_hf_checkpoint(tmp_path, seed=5, num_nextn_predict_layers=0, **overrides)
-    stage = full_stage(tmp_path)
-    ids = torch.randint(0, reference.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        expected = reference(ids).logits
-        ours = stage.logits(stage(ids, torch.arange(17).expand(2, -1)))
-    assert relative_error(ours, expected) < 1e-4
+    assert logits_error(tmp_path, reference, batch=2, length=17, seed=4) < 1e-4
 
 
 def test_experts_share_one_storage_that_survives_moving_the_module(hf_checkpoint):

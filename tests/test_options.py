@@ -4,6 +4,7 @@ from the local cache, and the layering the options travel through."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import shutil
@@ -79,10 +80,17 @@ def test_python_api_accepts_strings_for_choices_and_names_a_bad_one():
 
 
 def hub_cache_with(root: Path, repo: str, source: Path) -> Path:
-    """A local Hugging Face hub cache holding `source` as the snapshot of `repo` (the layout huggingface_hub writes)."""
+    """A local Hugging Face hub cache holding `source` as the snapshot of `repo`, in the layout huggingface_hub
+    writes: the files in blobs/ named by their hash, the snapshot's files relative links to them."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     folder = root / f"models--{repo.replace('/', '--')}"
-    shutil.copytree(source, folder / "snapshots" / commit)
+    snapshot = folder / "snapshots" / commit
+    (folder / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        blob = folder / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / blob.name)
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text(commit)
     return folder / "snapshots" / commit

@@ -186,10 +186,11 @@ class Checkpoint:
         raise CheckpointError(f"{self.path}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors shards found")
 
     def _shard_path(self, name: str) -> Path:
-        root = self.path.resolve()
-        shard = (root / name).resolve()
-        if root not in shard.parents:
+        # The name must stay inside the directory; the file may be a link out of it, as the Hugging Face
+        # cache's snapshot files are (links into its blobs/).
+        if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{self.path / INDEX_FILE}: shard {name!r} lies outside the model directory")
+        shard = self.path / name
         if not shard.is_file():
             raise CheckpointError(f"{self.path / INDEX_FILE}: shard {name!r} does not exist")
         return shard
@@ -222,6 +223,8 @@ class Checkpoint:
     def unrunnable_reason(self) -> str | None:
         """Why the runtime will not compute with this checkpoint, or None: an architecture it does not run,
         or quantised weights it does not dequantise (never cast without their scales)."""
+        if self.config.runtime_refusal:
+            return f"the runtime does not run this {self.config.architecture} config: {self.config.runtime_refusal}"
         if not is_runnable(self.config):
             return f"the runtime does not run {self.config.architecture} yet (it runs {', '.join(FAMILIES)})"
         if self.quantization:

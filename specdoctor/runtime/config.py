@@ -26,6 +26,18 @@ class MtpKeyLayout:
         return self.layer_prefix.format(layer=layer_id)
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling as DeepSeek-V3 configures it (rope_type "yarn"), with vLLM's defaults."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
 class RawConfig:
     """A parsed config.json with typed reads; every problem is one readable CheckpointError."""
 
@@ -62,6 +74,33 @@ class RawConfig:
         return architectures[0] if architectures else None
 
 
+def common_fields(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> dict:
+    """The ModelConfig fields every runnable family reads the same way: sizes, the GLM-4.5 / DeepSeek-V3
+    MoE router, the MTP layers, tying and EOS. Attention, rotary and the dense-layer count are the
+    family's own."""
+    return dict(
+        architecture=architecture,
+        vocab_size=raw.need("vocab_size"),
+        hidden_size=raw.need("hidden_size"),
+        intermediate_size=raw.need("intermediate_size"),
+        num_hidden_layers=raw.need("num_hidden_layers"),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+        n_routed_experts=int(raw.get("n_routed_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_nextn_predict_layers=raw.mtp_layer_count(layout),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        eos_token_ids=raw.eos_token_ids(),
+        mtp_keys=layout,
+    )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -91,6 +130,13 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     mtp_keys: MtpKeyLayout = field(default_factory=MtpKeyLayout)
+    rope_scaling: YarnScaling | None = None
+    runtime_refusal: str | None = None  # why the runtime will not compute with a config it reads (registry)
+
+    @property
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(heads, width) of each entry cached per position: keys and values."""
+        return (self.num_key_value_heads, self.head_dim), (self.num_key_value_heads, self.head_dim)
 
     @property
     def mtp_layer_ids(self) -> list[int]:

@@ -11,20 +11,23 @@ import torch
 
 
 class KVCache:
+    """Per layer, one buffer per cached entry (standard attention: keys and values; MLA: its latent and
+    rotary key; DSA adds its indexer keys), each [B, max_len, heads, width]."""
+
     def __init__(
         self,
         layer_ids: list[int],
         batch: int,
         max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
+        shapes: tuple[tuple[int, int], ...],  # (heads, width) of each entry
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        shape = (batch, max_len, num_kv_heads, head_dim)
         self.batch, self.max_len = batch, max_len
-        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.entries = {
+            i: [torch.zeros(batch, max_len, heads, width, dtype=dtype, device=device) for heads, width in shapes]
+            for i in layer_ids
+        }
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def _for_positions(self, positions: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -46,17 +49,17 @@ class KVCache:
     def update(
         self,
         layer_id: int,
-        k: torch.Tensor,  # [B, T, n_kv, D]
-        v: torch.Tensor,  # [B, T, n_kv, D]
         positions: torch.Tensor,  # [B, T] absolute positions of the new tokens
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new entries; return every entry up to the furthest position, [B, S, n_kv, D] each."""
+        *new: torch.Tensor,  # each [B, T, heads, width], in the order of the shapes
+    ) -> list[torch.Tensor]:
+        """Store the new entries; return every entry up to the furthest position, [B, S, heads, width] each."""
         span, rows, _ = self._for_positions(positions)
-        self.keys[layer_id][rows, positions] = k
-        self.values[layer_id][rows, positions] = v
-        return self.keys[layer_id][:, :span], self.values[layer_id][:, :span]
+        stored = self.entries[layer_id]
+        for buffer, value in zip(stored, new, strict=True):
+            buffer[rows, positions] = value
+        return [buffer[:, :span] for buffer in stored]
 
 
 def new_cache(config, layer_ids: list[int], batch: int, max_len: int, dtype, device) -> KVCache:
     """A cache for the given layers (a stage's, or the MTP layers) of a model with this config."""
-    return KVCache(layer_ids, batch, max_len, config.num_key_value_heads, config.head_dim, dtype, device)
+    return KVCache(layer_ids, batch, max_len, config.kv_cache_shapes, dtype, device)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 SMALL = dict(
     vocab_size=320,
@@ -18,15 +18,17 @@ SMALL = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
     max_position_embeddings=256,
-)
+)  # MLA families derive their head sizes from the fields below; the others get head_dim 16
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 MLA = dict(
-    MOE, n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+    MOE, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32,
+    q_lora_rank=48,
     qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
 )  # fmt: skip
-LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+LINEAR = dict(
+    head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16
+)
 QWEN_MOE = dict(MOE, num_experts=4, shared_expert_intermediate_size=32, **LINEAR)
 
 # name: (transformers config class, model class, config fields, MTP count field written to config.json)
@@ -47,8 +49,23 @@ FAMILIES = {
 }
 
 
-def mtp_tensors(architecture: str, state: dict, config) -> dict[str, torch.Tensor]:
-    """One MTP layer in the hub layout: the family's last decoder block renamed, plus the layout's tensors."""
+def saved_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` as transformers saved them (the hub layout: experts one by one)."""
+    out = {}
+    for shard in path.glob("*.safetensors"):
+        out |= {key: value for key, value in load_file(str(shard)).items() if key.startswith(prefix)}
+    return out
+
+
+# DeepSeek's hub checkpoints ship each MTP layer's own copies of the embedding and the head, equal to the
+# target's (model.layers.61.embed_tokens, .shared_head.head); GLM-5's ship neither.
+SHIPS_OWN_COPIES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+def mtp_tensors(architecture: str, path: Path, config) -> dict[str, torch.Tensor]:
+    """One MTP layer in the hub layout: the family's last decoder block as saved, renamed, the layout's
+    own tensors (random; norms near 1) and, where the family ships them, the copies of the target's
+    embedding and head."""
     from specdoctor.runtime.architectures import ARCHITECTURES
 
     layout = ARCHITECTURES[architecture].mtp
@@ -56,28 +73,34 @@ def mtp_tensors(architecture: str, state: dict, config) -> dict[str, torch.Tenso
     layer = config.num_hidden_layers if layout.numbered_after_target else 0
     prefix = layout.prefix(layer)
     generator = torch.Generator().manual_seed(7)
-    hidden, vocab = config.hidden_size, config.vocab_size
-    out = {prefix + key[len(last) :]: value.clone() for key, value in state.items() if key.startswith(last)}
-    shapes = {"eh_proj.weight": (hidden, 2 * hidden), "input_proj.weight": (hidden, 2 * hidden)}
-    shapes |= {"shared_head.head.weight": (vocab, hidden), "embed_tokens.weight": (vocab, hidden)}
-    for name in (*layout.layer_keys, *(k for k in (layout.own_head,) if k)):
-        out[prefix + name] = torch.randn(shapes.get(name, (hidden,)), generator=generator)
-    for key in layout.shared_keys:
-        out[key] = torch.randn((hidden, 2 * hidden) if key.endswith("fc.weight") else (hidden,), generator=generator)
+    hidden = config.hidden_size
+    out = {prefix + key[len(last) :]: value.clone() for key, value in saved_tensors(path, last).items()}
+    for key in (*(prefix + name for name in layout.layer_keys), *layout.shared_keys):
+        projection = key.endswith(("eh_proj.weight", "input_proj.weight", "fc.weight"))
+        noise = torch.randn((hidden, 2 * hidden) if projection else (hidden,), generator=generator)
+        out[key] = 1 + 0.2 * noise if "norm" in key else 0.15 * noise
+    if architecture in SHIPS_OWN_COPIES:
+        target = saved_tensors(path, "model.embed_tokens.") | saved_tensors(path, "lm_head.")
+        out[prefix + layout.own_embedding] = target["model.embed_tokens.weight"].clone()
+        out[prefix + layout.own_head] = target["lm_head.weight"].clone()
     return out
 
 
-def make_family_checkpoint(path: Path, architecture: str, seed: int = 0):
+def make_family_checkpoint(path: Path, architecture: str, seed: int = 0, **overrides):
     """Save a random tiny `architecture` with transformers (several shards + index), append its MTP layer
-    in the hub layout and name the MTP layer count in config.json as the hub configs do."""
+    in the hub layout and name the MTP layer count in config.json as the hub configs do. Returns the
+    transformers model."""
     import transformers
+
+    from tests.conftest import randomize
 
     config_class, model_class, fields, count_field = FAMILIES[architecture]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**SMALL, **fields})
+    config = getattr(transformers, config_class)(**{**SMALL, **fields, **overrides})
     model = getattr(transformers, model_class)(config).eval()
+    randomize(model, seed)
     model.save_pretrained(path, max_shard_size="100KB")
-    tensors = mtp_tensors(architecture, model.state_dict(), config)
+    tensors = mtp_tensors(architecture, path, config)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model-mtp.safetensors"))
     index_path = path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +9,7 @@ from torch import nn
 from specdoctor.kernels.reference import rms_norm
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.models.rope import apply_rotary
 
 
 class PPMissingLayer(nn.Identity):
@@ -28,40 +27,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
         return rms_norm(x, self.weight, self.eps)
-
-
-@functools.lru_cache(maxsize=8)
-def rotary_table(
-    dim: int, theta: float, length: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position up to `length`, [length, dim] each: computed once, then indexed
-    (building them per forward costs more than the attention itself on a small model)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
-    freqs = torch.arange(length, device=device).float()[:, None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotary_cos_sin(
-    config: ModelConfig,
-    positions: torch.Tensor,
-    dtype: torch.dtype,  # positions: [B, T]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for the rotary part of each head, [B, T, rotary_dim] each (neox layout)."""
-    # Draft chains may run up to 2k (k <= 8) positions past the context; the slack covers them.
-    length = config.max_position_embeddings + 32
-    cos, sin = rotary_table(config.rotary_dim, config.rope_theta, length, positions.device, dtype)
-    return cos[positions], sin[positions]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim features of each head; x: [B, T, heads, D], cos/sin: [B, T, R]."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    half = rot // 2
-    rotated_half = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated_half * sin, x_pass), dim=-1)
 
 
 def concat_weights(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,7 +103,7 @@ class Attention(FusedWeights):
             # Causal by absolute position: a query sees every key at or before its own position.
             mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
         else:
-            k, v = cache.update(self.layer_id, k, v, positions)
+            k, v = cache.update(self.layer_id, positions, k, v)
             mask = cache.causal_mask(positions)  # [B, 1, T, S]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
@@ -248,3 +213,39 @@ class SharedHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DecoderBlock(nn.Module):
+    """Attention then a dense MLP or (from `first_k_dense_replace`) MoE, each pre-normed with a residual.
+    A family's block sets `attention` (GLM-4.5: grouped-query attention; DeepSeek-V3: MLA)."""
+
+    attention: type[nn.Module]
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = self.attention(config, layer_id)
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        positions: torch.Tensor,  # [B, T]
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+    ) -> torch.Tensor:  # [B, T, H]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def add_mtp_parts(layer: nn.Module, config: ModelConfig) -> None:
+    """What makes a decoder block a DeepSeek-style MTP layer: the norms and projection of its input
+    (docs/engine-semantics.md §MTP step) and its own output head."""
+    layer.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    layer.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    layer.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+    layer.shared_head = SharedHead(config)

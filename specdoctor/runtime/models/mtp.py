@@ -9,8 +9,8 @@ from torch import nn
 from specdoctor import kernels
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import rotary_cos_sin
 from specdoctor.runtime.models.registry import family_of
+from specdoctor.runtime.models.rope import rotary_cos_sin
 
 
 class MtpDrafter(nn.Module):

@@ -8,14 +8,14 @@ layer; adding a family touches that module, this table, runtime/architectures.py
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
-from specdoctor.runtime.models import glm4_moe
+from specdoctor.runtime.models import deepseek_v3, glm4_moe
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,13 @@ class ModelFamily:
     mtp_layer: type[nn.Module]  # an MTP layer: (config, layer_id)
 
 
-FAMILIES = {glm4_moe.ARCHITECTURE: ModelFamily(glm4_moe.read_config, glm4_moe.DecoderLayer, glm4_moe.MtpLayer)}
+FAMILIES = {
+    glm4_moe.ARCHITECTURE: ModelFamily(glm4_moe.read_config, glm4_moe.DecoderLayer, glm4_moe.MtpLayer),
+    **{
+        architecture: ModelFamily(deepseek_v3.read_mla_config, deepseek_v3.DecoderLayer, deepseek_v3.MtpLayer)
+        for architecture in deepseek_v3.ARCHITECTURES
+    },
+}
 # config.json files without `architectures` are read as the first family's, as before.
 DEFAULT_ARCHITECTURE = glm4_moe.ARCHITECTURE
 
@@ -35,7 +41,7 @@ def family_of(config: ModelConfig) -> ModelFamily:
 
 
 def is_runnable(config: ModelConfig) -> bool:
-    return config.architecture in FAMILIES
+    return config.architecture in FAMILIES and not config.runtime_refusal
 
 
 def read_config(raw, source: str = "config.json") -> ModelConfig:
@@ -48,10 +54,17 @@ def read_config(raw, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(
             f"{source}: architecture {architecture!r} is not supported: its MTP layout is unknown (known: {known})"
         )
-    reader = FAMILIES[architecture].read_config if architecture in FAMILIES else header_only_config
     if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: the language model's fields
         fields = RawConfig(raw["text_config"], source)
-    config = reader(fields, architecture, ARCHITECTURES[architecture].mtp)
+    layout = ARCHITECTURES[architecture].mtp
+    if architecture not in FAMILIES:
+        config = header_only_config(fields, architecture, layout)
+    else:
+        try:
+            config = FAMILIES[architecture].read_config(fields, architecture, layout)
+        except CheckpointError as refusal:  # a setting the family does not run: the headers are still read
+            config = header_only_config(fields, architecture, layout)
+            config = replace(config, runtime_refusal=str(refusal).removeprefix(f"{source}: "))
     config.validate(source)
     return config
 

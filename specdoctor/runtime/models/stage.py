@@ -8,8 +8,9 @@ from torch import nn
 
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import PPMissingLayer, RMSNorm, rotary_cos_sin
+from specdoctor.runtime.models.layers import PPMissingLayer, RMSNorm
 from specdoctor.runtime.models.registry import family_of
+from specdoctor.runtime.models.rope import rotary_cos_sin
 
 
 class TargetStage(nn.Module):
