@@ -1,6 +1,7 @@
-"""Acceptance on the demo model, in the pipeline runtime, for each drafter loading policy.
+"""Acceptance on a demo model, in the pipeline runtime, for each drafter loading policy.
 
-    python -m benchmarks.acceptance [--pp 4] [--prompts 16] [--new-tokens 64] [--json runs/acceptance.json]
+    python -m benchmarks.acceptance [--model demo|demo-mla] [--pp 4] [--prompts 16] [--new-tokens 64]
+        [--json runs/acceptance.json]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).
 """
@@ -15,7 +16,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint import DEMO_MODELS
 from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
@@ -33,6 +34,7 @@ BROKEN = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(DEMO_MODELS), default="demo")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -40,17 +42,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
     args = parser.parse_args()
-    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(DEMO_MODELS[args.model] / "tokenizer.json"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
 
     rows = []
-    with Engine(RuntimeOptions("demo", pp=args.pp), show_progress=True) as engine:
+    with Engine(RuntimeOptions(args.model, pp=args.pp), show_progress=True) as engine:
         plain = engine.generate(prompts, args.new_tokens).tokens
         for k in range(1, 6):
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
             rows.append(("fixed", "fixed", "-", k, result.tokens == plain, result.metrics.to_dict()))
     for policy, head, fill in BROKEN:
-        options = RuntimeOptions("demo", pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill)
+        options = RuntimeOptions(args.model, pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill)
         with Engine(options, show_progress=True) as engine:
             try:
                 result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
@@ -58,7 +60,9 @@ def main() -> None:
             except PipelineError as crash:  # an aliased placeholder fails the first draft step, as in vLLM
                 rows.append((policy, head, fill, 3, None, {"crash": str(crash).splitlines()[0]}))
 
-    table = Table(title=f"Demo model, PP {args.pp}, {args.prompts} held-out prompts x {args.new_tokens} tokens, greedy")
+    table = Table(
+        title=f"{args.model}, PP {args.pp}, {args.prompts} held-out prompts x {args.new_tokens} tokens, greedy"
+    )
     for column in (
         "embedding policy",
         "head policy",

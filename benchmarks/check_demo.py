@@ -1,7 +1,7 @@
 """Time to verdict: `specdoctor check --model demo --pp 4 --repair` as a user runs it, process
 start-up included, stage by stage, with the before/after table it reports.
 
-    python -m benchmarks.check_demo [--pp 4] [--k 3] [--json runs/check_demo.json]
+    python -m benchmarks.check_demo [--model demo|demo-mla] [--pp 4] [--k 3] [--json runs/check_demo.json]
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.common import machine, write_json
+from specdoctor.runtime.checkpoint import DEMO_MODELS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(DEMO_MODELS), default="demo")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("runs/check_demo.json"))
@@ -31,7 +33,7 @@ def main() -> None:
         "specdoctor",
         "check",
         "--model",
-        "demo",
+        args.model,
         "--pp",
         str(args.pp),
         "--num-speculative-tokens",
@@ -45,9 +47,8 @@ def main() -> None:
     wall = time.perf_counter() - start
     report = json.loads(result.stdout)
     console = Console()
-    timings = Table(
-        title=f"specdoctor check --model demo --pp {args.pp} --repair: {wall:.1f} s wall, exit {result.returncode}"
-    )
+    command_line = f"specdoctor check --model {args.model} --pp {args.pp} --repair"
+    timings = Table(title=f"{command_line}: {wall:.1f} s wall, exit {result.returncode}")
     timings.add_column("stage")
     timings.add_column("seconds", justify="right")
     inside = sum(report["timings"].values())

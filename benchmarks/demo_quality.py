@@ -1,8 +1,9 @@
-"""Quality of the shipped demo model's drafter on held-out standard-library text.
+"""Quality of a shipped demo model's drafter on held-out standard-library text.
 
 Prints the greedy MTP acceptance at draft position 0 and writes JSON:
 
-    python -m benchmarks.demo_quality [--prompts 32] [--new-tokens 64] [--json runs/demo_quality.json]
+    python -m benchmarks.demo_quality [--model demo|demo-mla] [--prompts 32] [--new-tokens 64]
+        [--json runs/demo_quality.json]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
 from tests.helpers.acceptance_trace import position0_acceptance
 from tests.helpers.demo_corpus import held_out_prompts
 from tests.helpers.loading import load_target_and_drafter
@@ -24,6 +25,7 @@ from tests.helpers.loading import load_target_and_drafter
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(DEMO_MODELS), default="demo")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -31,7 +33,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/demo_quality.json"))
     args = parser.parse_args()
 
-    checkpoint = Checkpoint("demo")
+    checkpoint = Checkpoint(args.model)
     target, drafter, _ = load_target_and_drafter(checkpoint)
     tokenizer = Tokenizer.from_file(str(checkpoint.path / "tokenizer.json"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
@@ -43,7 +45,7 @@ def main() -> None:
         "position0_acceptance": acceptance,
         "seconds": round(time.perf_counter() - start, 2),
     }
-    table = Table(title="Demo model drafter on held-out stdlib text (greedy)")
+    table = Table(title=f"{args.model} drafter on held-out stdlib text (greedy)")
     table.add_column("metric")
     table.add_column("value")
     table.add_row("MTP acceptance, draft position 0", f"{acceptance:.1%}")

@@ -1,10 +1,12 @@
-"""Train specdoctor's demo model: a small GLM-4.5-layout MoE with one MTP layer.
+"""Train specdoctor's demo models, each a small MoE with one MTP layer: `demo` in GLM-4.5's layout, or
+`demo-mla` in GLM-5's (MLA attention with the DSA indexer).
 
 Data: the Python standard library's own sources (every machine with Python has them); files
 whose path hashes into the held-out bucket are never trained on. Deterministic for a given seed
 and Python version. Runs on the CPU:
 
     python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
+    python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 2400
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
 (DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
@@ -38,40 +40,70 @@ EOS = "<|endoftext|>"
 CHAIN_WEIGHTS = (0.5, 0.2, 0.1)  # MTP loss weight for chain steps 0 (t+2), 1 (t+3), 2 (t+4)
 
 
-def demo_config(vocab_size: int, eos_id: int) -> dict:
-    return {
+MOE_FIELDS = {
+    "vocab_size": None,  # from the tokenizer
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "rms_norm_eps": 1e-5,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# Each demo: its architecture's own fields on top of the shared MoE ones.
+DEMOS = {
+    "demo": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
-        "vocab_size": vocab_size,
-        "hidden_size": 192,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
         "num_attention_heads": 6,
         "num_key_value_heads": 2,
         "head_dim": 32,
         "partial_rotary_factor": 0.5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "rms_norm_eps": 1e-5,
         "attention_bias": True,
         "use_qk_norm": False,
-        "moe_intermediate_size": 128,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "n_group": 4,
-        "topk_group": 2,
-        "first_k_dense_replace": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.0,
-        "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
-        "hidden_act": "silu",
-        "eos_token_id": eos_id,
-        "bos_token_id": eos_id,
-        "pad_token_id": eos_id,
-        "torch_dtype": "bfloat16",
-    }
+    },
+    # GLM-5's layout at demo scale: MLA with q- and kv-LoRA and the DSA indexer. Its index_topk equals
+    # max_position_embeddings, so, like GLM-5 below 2048 tokens, every query keeps its whole context.
+    "demo-mla": {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "head_dim": 16,
+        "index_topk": 2048,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "scoring_func": "sigmoid",  # vLLM builds GLM-5 with DeepSeek-V2's MoE, which routes by these two
+        "topk_method": "noaux_tc",
+        "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+        "layer_types": ["indexed_attention"] * 4,
+        "indexer_types": ["full"] * 4,
+    },
+}
+
+
+def demo_config(demo: str, vocab_size: int, eos_id: int) -> dict:
+    ids = {"eos_token_id": eos_id, "bos_token_id": eos_id, "pad_token_id": eos_id}
+    return {**DEMOS[demo], **MOE_FIELDS, "vocab_size": vocab_size, **ids}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -189,6 +221,7 @@ def save_checkpoint(model: DemoModel, config: dict, tokenizer: Tokenizer, out: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--demo", choices=sorted(DEMOS), default="demo", help="which demo model to train")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch", type=int, default=16)
@@ -209,7 +242,7 @@ def main() -> None:
         f"train files {len(train_files)} tokens {len(stream):,}; held-out files {len(held_files)} tokens {len(held):,}"
     )
 
-    raw_config = demo_config(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
+    raw_config = demo_config(args.demo, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
     model = DemoModel(read_config(raw_config))
     loads = track_loads(model)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")

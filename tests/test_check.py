@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from specdoctor.commands.check import CheckOptions, run_check
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint import DEMO_DIR, DEMO_MODELS
 from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
 from tests.test_cli import rename_key
@@ -40,8 +40,8 @@ def check_options(
 
 @pytest.fixture(scope="module")
 def demo_variants(tmp_path_factory):
-    """Copies of the demo: embedding only under model.language_model., no shared_head.head, one file;
-    and of each, a copy without a tokenizer (`NAME-untokenized`)."""
+    """Copies of the demo: embedding only under model.language_model., no shared_head.head, one file; the
+    MLA demo; and of each, a copy without a tokenizer (`NAME-untokenized`)."""
     root = tmp_path_factory.mktemp("demo_variants")
     language_model = root / "language_model"
     shutil.copytree(DEMO_DIR, language_model)
@@ -55,7 +55,7 @@ def demo_variants(tmp_path_factory):
     for shard in sorted(DEMO_DIR.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
     save_file(tensors, str(single / "model.safetensors"), metadata={"format": "pt"})
-    variants = {"demo": DEMO_DIR, "language_model": language_model, "headless": headless, "single": single}
+    variants = {"language_model": language_model, "headless": headless, "single": single, **DEMO_MODELS}
     for name, path in list(variants.items()):
         bare = root / f"{name}-untokenized"
         shutil.copytree(path, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
@@ -73,6 +73,7 @@ FAULTS = [
     ("headless", 4, None, 1, "fixed", "engine-legacy", "nan"),
     ("language_model", 2, None, 3, "engine-legacy", "engine-legacy", "empty"),
     ("single", 2, None, 3, "engine-legacy", "engine-legacy", "zeros"),
+    ("demo-mla", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
 ]
 
 
@@ -88,6 +89,7 @@ FAULTS = [
         "unloaded-head",
         "language-model-prefix",
         "single-file-checkpoint",
+        "mla-legacy-nan",
     ],
 )
 def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_tokenizer(
@@ -115,9 +117,13 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
     assert verdicts[0] == verdicts[1]
 
 
-@pytest.mark.parametrize("pp, policy", [(1, "engine-legacy"), (4, "fixed")], ids=["pp1-legacy", "pp4-fixed"])
-def test_healthy_configurations_have_no_error_findings(pp, policy):
-    report = run_check(check_options("demo", pp, None, 3, policy, "engine-legacy"), show_progress=False)
+@pytest.mark.parametrize(
+    "model, pp, policy",
+    [("demo", 1, "engine-legacy"), ("demo", 4, "fixed"), ("demo-mla", 4, "fixed")],
+    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed"],
+)
+def test_healthy_configurations_have_no_error_findings(model, pp, policy):
+    report = run_check(check_options(model, pp, None, 3, policy, "engine-legacy"), show_progress=False)
     errors = [f for f in report.all_findings() if f.severity == "error"]
     assert not errors, errors
     assert report.stages[0].behaviour["battery"] == "9/9"

@@ -71,7 +71,7 @@ def startup_check(engine, options: ServeOptions, console: Console) -> list:
 def run_serve(options: ServeOptions) -> None:
     import uvicorn
 
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.partition import placements
     from specdoctor.runtime.tokenizer import load_codec
@@ -93,7 +93,7 @@ def run_serve(options: ServeOptions) -> None:
             console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
         if errors and not options.allow_unhealthy:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
-        name = "demo" if runtime.model == "demo" else checkpoint.path.name
+        name = runtime.model if runtime.model in DEMO_MODELS else checkpoint.path.name
         speculative = runtime.num_speculative_tokens > 0
         state = ServerState(
             engine, codec, name, chat_template(checkpoint.path), options.api_key, ServerMetrics(name, speculative)

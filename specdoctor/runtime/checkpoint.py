@@ -23,7 +23,12 @@ from specdoctor.runtime.quantization import quantization_scheme
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+# The demo models shipped with the package, by the name `--model` takes: GLM-4.5's layout, and GLM-5's (MLA + DSA).
+DEMO_MODELS = {
+    name: Path(__file__).resolve().parent.parent / folder
+    for name, folder in (("demo", "demo_model"), ("demo-mla", "demo_mla_model"))
+}
+DEMO_DIR = DEMO_MODELS["demo"]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
 TORCH_DTYPES = {
@@ -56,10 +61,10 @@ class TensorInfo(NamedTuple):  # a tuple: ~100,000 of them are built per open
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """`demo` names the model shipped with the package; a directory is itself; an `org/name` that
-    is not a directory is looked up in the local Hugging Face cache, as vLLM does (never downloaded)."""
-    if str(model) == "demo":
-        return DEMO_DIR
+    """`demo` and `demo-mla` name the models shipped with the package; a directory is itself; an `org/name`
+    that is not a directory is looked up in the local Hugging Face cache, as vLLM does (never downloaded)."""
+    if str(model) in DEMO_MODELS:
+        return DEMO_MODELS[str(model)]
     path = Path(model).expanduser()
     if path.exists() or str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
         return path

@@ -80,7 +80,10 @@ def option(default, *flags: str, help: str, required: bool = False):
 @dataclass(frozen=True)
 class RuntimeOptions:
     model: str = option(
-        None, "--model", help="Checkpoint directory, a Hugging Face id in the local cache, or 'demo'.", required=True
+        None,
+        "--model",
+        help="Checkpoint directory, a Hugging Face id in the local cache, 'demo' or 'demo-mla'.",
+        required=True,
     )
     tokenizer: str | None = option(
         None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."

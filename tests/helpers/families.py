@@ -57,6 +57,12 @@ def saved_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
+# Fields the hub configs carry that transformers' config classes leave out: vLLM builds these with DeepSeek-V2's
+# MoE, which needs them to route as transformers does (sigmoid scores with the correction bias).
+HUB_CONFIG_FIELDS = {
+    architecture: {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    for architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+}
 # DeepSeek's hub checkpoints ship each MTP layer's own copies of the embedding and the head, equal to the
 # target's (model.layers.61.embed_tokens, .shared_head.head); GLM-5's ship neither.
 SHIPS_OWN_COPIES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
@@ -88,8 +94,8 @@ def mtp_tensors(architecture: str, path: Path, config) -> dict[str, torch.Tensor
 
 def make_family_checkpoint(path: Path, architecture: str, seed: int = 0, **overrides):
     """Save a random tiny `architecture` with transformers (several shards + index), append its MTP layer
-    in the hub layout and name the MTP layer count in config.json as the hub configs do. Returns the
-    transformers model."""
+    in the hub layout and name the MTP layer count (and the router, where vLLM needs it) in config.json as
+    the hub configs do. Returns the transformers model."""
     import transformers
 
     from tests.conftest import randomize
@@ -107,5 +113,5 @@ def make_family_checkpoint(path: Path, architecture: str, seed: int = 0, **overr
     index["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
     index_path.write_text(json.dumps(index))
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**raw, count_field: 1}))
+    (path / "config.json").write_text(json.dumps({**raw, **HUB_CONFIG_FIELDS.get(architecture, {}), count_field: 1}))
     return model
