@@ -11,15 +11,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)  # MLA families derive their head sizes from the fields below; the others get head_dim 16
+from tests.conftest import TINY, randomize
+
+# TINY's sizes; MLA families derive their head sizes from the fields below; the others get head_dim 16
+SHARED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+SMALL = {name: TINY[name] for name in SHARED} | {"max_position_embeddings": 256}
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 MLA = dict(
     MOE, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32,
@@ -97,8 +100,6 @@ def make_family_checkpoint(path: Path, architecture: str, seed: int = 0, **overr
     in the hub layout and name the MTP layer count (and the router, where vLLM needs it) in config.json as
     the hub configs do. Returns the transformers model."""
     import transformers
-
-    from tests.conftest import randomize
 
     config_class, model_class, fields, count_field = FAMILIES[architecture]
     torch.manual_seed(seed)

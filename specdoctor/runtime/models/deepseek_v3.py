@@ -27,7 +27,7 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, YarnScaling, common_fields
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import DecoderBlock, RMSNorm, add_mtp_parts
+from specdoctor.runtime.models.layers import DecoderBlock, RMSNorm, add_mtp_parts, attention_span
 from specdoctor.runtime.models.rope import apply_rotary, apply_rotary_interleaved, yarn_mscale
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
@@ -244,11 +244,7 @@ class MlaAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[:, :, None]  # [B, T, 1, kv_lora_rank]
         q_rot, k_rot = apply_rotary_interleaved(q_rot, *rotary), apply_rotary_interleaved(k_rot[:, :, None], *rotary)
         entries = [latent, k_rot] + ([self.indexer.keys(x, rotary)] if self.indexer else [])
-        if cache is None:
-            mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
-        else:
-            entries = cache.update(self.layer_id, positions, *entries)  # each [B, S, 1, *]
-            mask = cache.causal_mask(positions)  # [B, 1, T, S]
+        entries, mask = attention_span(cache, self.layer_id, positions, *entries)  # each [B, S, 1, *]
         latent, k_rot = entries[:2]
         if self.indexer:
             mask = mask & self.indexer.select(x, q_latent, rotary, entries[2], mask)

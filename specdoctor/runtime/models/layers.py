@@ -99,16 +99,20 @@ class Attention(FusedWeights):
             qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
         q, k = apply_rotary(qk, *rotary).split([heads, self.num_kv_heads], dim=2)  # q and k rotated together
         v = v.view(batch, length, self.num_kv_heads, self.head_dim)
-        if cache is None:
-            # Causal by absolute position: a query sees every key at or before its own position.
-            mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
-        else:
-            k, v = cache.update(self.layer_id, positions, k, v)
-            mask = cache.causal_mask(positions)  # [B, 1, T, S]
+        (k, v), mask = attention_span(cache, self.layer_id, positions, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def attention_span(cache: KVCache | None, layer_id: int, positions: torch.Tensor, *entries: torch.Tensor):
+    """(the entries over every position the queries see, each [B, S, ...], and the causal mask [B, 1, T, S]):
+    without a cache the new entries alone, else the cache's after it stores them."""
+    if cache is None:
+        # Causal by absolute position: a query sees every key at or before its own position.
+        return entries, positions[:, None, None, :] <= positions[:, None, :, None]
+    return cache.update(layer_id, positions, *entries), cache.causal_mask(positions)
 
 
 class MLP(FusedWeights):
