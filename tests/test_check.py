@@ -17,6 +17,7 @@ from specdoctor.commands.check import CheckOptions, run_check
 from specdoctor.runtime.checkpoint import DEMO_DIR, DEMO_MODELS
 from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
+from tests.quant.fp8_checkpoint import write_fp8_checkpoint
 from tests.test_cli import rename_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -55,7 +56,9 @@ def demo_variants(tmp_path_factory):
     for shard in sorted(DEMO_DIR.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
     save_file(tensors, str(single / "model.safetensors"), metadata={"format": "pt"})
-    variants = {"language_model": language_model, "headless": headless, "single": single, **DEMO_MODELS}
+    fp8 = root / "fp8"  # block-scaled FP8 by transformers' own quantiser (64 x 64: the demo's widths)
+    write_fp8_checkpoint(DEMO_DIR, fp8, (64, 64))
+    variants = {"language_model": language_model, "headless": headless, "single": single, "fp8": fp8, **DEMO_MODELS}
     for name, path in list(variants.items()):
         bare = root / f"{name}-untokenized"
         shutil.copytree(path, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
@@ -74,6 +77,8 @@ FAULTS = [
     ("language_model", 2, None, 3, "engine-legacy", "engine-legacy", "empty"),
     ("single", 2, None, 3, "engine-legacy", "engine-legacy", "zeros"),
     ("demo-mla", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
+    ("demo-w4a16", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
+    ("fp8", 3, None, 3, "engine-legacy", "engine-legacy", "zeros"),
 ]
 
 
@@ -90,6 +95,8 @@ FAULTS = [
         "language-model-prefix",
         "single-file-checkpoint",
         "mla-legacy-nan",
+        "w4a16-legacy-nan",
+        "fp8-legacy-zeros",
     ],
 )
 def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_tokenizer(
@@ -119,8 +126,8 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
 
 @pytest.mark.parametrize(
     "model, pp, policy",
-    [("demo", 1, "engine-legacy"), ("demo", 4, "fixed"), ("demo-mla", 4, "fixed")],
-    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed"],
+    [("demo", 1, "engine-legacy"), ("demo", 4, "fixed"), ("demo-mla", 4, "fixed"), ("demo-w4a16", 4, "fixed")],
+    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed", "w4a16-pp4-fixed"],
 )
 def test_healthy_configurations_have_no_error_findings(model, pp, policy):
     report = run_check(check_options(model, pp, None, 3, policy, "engine-legacy"), show_progress=False)

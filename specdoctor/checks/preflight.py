@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.checkpoint import Checkpoint
@@ -195,18 +196,5 @@ def engine_placement(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Fin
             "(its model raises 'No ... layer found in model.layers.')",
             "give every rank an MoE layer (--pp-partition or VLLM_PP_LAYER_PARTITION); specdoctor's runtime runs it",
             data={"ranks": refused},
-        )
-    ]
-
-
-def quantization(checkpoint: Checkpoint) -> list[Finding]:
-    if not checkpoint.quantization:
-        return []
-    return [
-        Finding(
-            "quantization",
-            "info",
-            f"weights are quantised: {checkpoint.quantization}",
-            data={"quantization_config": checkpoint.raw_config.get("quantization_config")},
         )
     ]

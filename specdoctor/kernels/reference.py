@@ -133,3 +133,61 @@ def mtp_input(
     """cat(enorm(embeds with position 0 zeroed), hnorm(hidden)): the MTP layer's input before eh_proj."""
     embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
     return torch.cat([rms_norm(embeds, enorm, eps), rms_norm(hidden, hnorm, eps)], dim=-1)
+
+
+# Quantised weights (docs/quantization.md). Each dequantisation computes in fp32, where (q - zero) * scale
+# is exact, and rounds once to the scales' dtype: what the formats' own tools produce.
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ packs nibbles of 8 columns in the order 0 2 4 6 1 3 5 7
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, count: int, dim: int) -> torch.Tensor:
+    """Unsigned `bits`-bit values packed into int32 words along `dim`, value i of a word at bits i*bits
+    (compressed-tensors' and AutoAWQ's word layout); the first `count` values along `dim`, as int32."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    words = packed.movedim(dim, -1)
+    values = ((words[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :count]
+    return values.movedim(-1, dim)
+
+
+def dequantize_pack_quantized(
+    packed: torch.Tensor,  # [N, ceil(K * bits / 32)] int32
+    scale: torch.Tensor,  # [N, G]
+    zero_point: torch.Tensor | None,  # [ceil(N * bits / 32), G] int32, or None (symmetric)
+    columns: int,  # K
+    bits: int,
+    group_size: int,  # columns per scale (K for per-channel scales)
+    g_idx: torch.Tensor | None = None,  # [K]: the group of each column (activation ordering)
+) -> torch.Tensor:  # [N, K] in scale's dtype
+    """compressed-tensors `pack-quantized`: signed values stored with an offset of 2^(bits-1)."""
+    rows, offset = packed.shape[0], 1 << (bits - 1)
+    values = unpack_int32(packed, bits, columns, 1) - offset
+    groups = g_idx.long() if g_idx is not None else torch.arange(columns, device=packed.device) // group_size
+    zeros = 0 if zero_point is None else (unpack_int32(zero_point, bits, rows, 0) - offset)[:, groups]
+    return ((values - zeros).float() * scale.float()[:, groups]).to(scale.dtype)
+
+
+def dequantize_awq(
+    qweight: torch.Tensor,  # [K, N / 8] int32
+    qzeros: torch.Tensor,  # [K / group, N / 8] int32
+    scales: torch.Tensor,  # [K / group, N]
+    group_size: int,
+) -> torch.Tensor:  # [N, K] (the nn.Linear layout) in scales' dtype
+    """AutoAWQ GEMM, 4-bit: words packed along the output dimension in AWQ's interleaved order."""
+    columns = qweight.shape[1] * 8
+    order = (torch.arange(columns, device=qweight.device).view(-1, 8)[:, list(AWQ_REVERSE_ORDER)]).reshape(-1)
+    values = unpack_int32(qweight, 4, columns, 1)[:, order]
+    zeros = unpack_int32(qzeros, 4, columns, 1)[:, order].repeat_interleave(group_size, 0)[: values.shape[0]]
+    scale = scales.float().repeat_interleave(group_size, 0)[: values.shape[0]]
+    return ((values - zeros).float() * scale).to(scales.dtype).t()
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor,  # [N, K] float8
+    scale_inv: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],  # (bn, bk)
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K]
+    """Block-scaled FP8 (DeepSeek-V3): each bn x bk block times its scale; edge blocks may be partial."""
+    rows, columns = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
+    return (weight.float() * scale).to(dtype)

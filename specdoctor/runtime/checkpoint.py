@@ -19,14 +19,15 @@ import torch
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.models.registry import FAMILIES, is_runnable, read_config
-from specdoctor.runtime.quantization import quantization_scheme
+from specdoctor.runtime.quantization import dequantize, quantization_scheme, scan
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# The demo models shipped with the package, by the name `--model` takes: GLM-4.5's layout, and GLM-5's (MLA + DSA).
+# The demo models shipped with the package, by the name `--model` takes: GLM-4.5's layout, GLM-5's (MLA + DSA),
+# and the first quantised to W4A16 by llm-compressor (the seed deployment's scheme).
 DEMO_MODELS = {
     name: Path(__file__).resolve().parent.parent / folder
-    for name, folder in (("demo", "demo_model"), ("demo-mla", "demo_mla_model"))
+    for name, folder in (("demo", "demo_model"), ("demo-mla", "demo_mla_model"), ("demo-w4a16", "demo_w4a16_model"))
 }
 DEMO_DIR = DEMO_MODELS["demo"]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -47,6 +48,7 @@ TORCH_DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two block scales (ue8m0)
 }
 DTYPE_BYTES = {code: dtype.itemsize for code, dtype in TORCH_DTYPES.items()}
 
@@ -170,8 +172,10 @@ class Checkpoint:
         self.raw_config = read_json(self.path / "config.json", "config.json")
         self.config = read_config(self.raw_config, str(self.path / "config.json"))
         self.layout, shard_of = self._weight_map()
-        self.tensors = self._scan_headers(shard_of)
-        self.quantization = quantization_scheme(self.raw_config, self.tensors)  # None: floating-point weights
+        self.stored = self._scan_headers(shard_of)  # every tensor as the shards hold it
+        self.quantization = quantization_scheme(self.raw_config, self.stored)  # None: floating-point weights
+        self.quantized, self.quantization_problems = scan(self.raw_config, self.stored)
+        self.tensors = self._logical_tensors()  # a quantised weight appears once, under its own key
         self.keys_read: list[str] = []
         self.bytes_read = 0
 
@@ -225,6 +229,15 @@ class Checkpoint:
             raise CheckpointError(f"{self.path / INDEX_FILE}: tensor {key!r} is listed in {name} but not stored there")
         return tensors
 
+    def _logical_tensors(self) -> dict[str, TensorInfo]:
+        parts = {key for weight in self.quantized.values() for key in weight.parts.values()}
+        tensors = {key: info for key, info in self.stored.items() if key not in parts}
+        for key, weight in self.quantized.items():
+            first = self.stored[next(iter(weight.parts.values()))]
+            nbytes = DTYPE_BYTES[weight.dtype] * _numel(weight.shape)
+            tensors[key] = TensorInfo(key, first.shard, weight.dtype, weight.shape, nbytes, -1)  # no byte range
+        return tensors
+
     def unrunnable_reason(self) -> str | None:
         """Why the runtime will not compute with this checkpoint, or None: an architecture it does not run,
         or quantised weights it does not dequantise (never cast without their scales)."""
@@ -232,8 +245,11 @@ class Checkpoint:
             return f"the runtime does not run this {self.config.architecture} config: {self.config.runtime_refusal}"
         if not is_runnable(self.config):
             return f"the runtime does not run {self.config.architecture} yet (it runs {', '.join(FAMILIES)})"
-        if self.quantization:
-            return f"{self.quantization} weights are not dequantised by the runtime yet"
+        if self.quantization_problems:
+            more = len(self.quantization_problems) - 1
+            return f"{self.quantization} weights: {self.quantization_problems[0]}" + (
+                f" (and {more} more)" if more else ""
+            )
         return None
 
     def require_runnable(self) -> None:
@@ -243,14 +259,30 @@ class Checkpoint:
                 f"{self.path}: {reason}, so it will not run them; inspect and check's pre-flight still read the headers"
             )
 
+    def _read_dequantized(self, key: str, rows: tuple[int, int] | None, out: torch.Tensor | None) -> torch.Tensor:
+        try:
+            tensor = dequantize(self.quantized[key], self._read_stored)
+        except ValueError as err:
+            raise CheckpointError(f"{self.path}: {key}: {err}") from None
+        tensor = tensor[rows[0] : rows[1]] if rows is not None else tensor
+        if out is not None:
+            out.copy_(tensor)
+        return tensor
+
     def first_present(self, candidates: list[str]) -> str | None:
         """The first candidate key the checkpoint holds, or None."""
         return next((key for key in candidates if key in self.tensors), None)
 
     def read(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor, or rows [start, end) of it, reading only those bytes from its shard. With `out`
-        (the parameter waiting for it), the bytes land there directly when dtype and layout allow."""
-        info = self.tensors.get(key)
+        (the parameter waiting for it), the bytes land there directly when dtype and layout allow.
+        A quantised weight is read as its parts and dequantised."""
+        if key in self.quantized:
+            return self._read_dequantized(key, rows, out)
+        return self._read_stored(key, rows, out)
+
+    def _read_stored(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
+        info = self.stored.get(key)
         if info is None:
             raise CheckpointError(f"{self.path}: tensor {key!r} is not in the checkpoint")
         path = self.path / info.shard

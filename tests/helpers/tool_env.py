@@ -1,0 +1,72 @@
+"""A tool the tests use as an oracle, in a virtual environment of its own (its pins clash with the test
+environment's), installed once under .peer/ (git-ignored) and reused. A tool that cannot be installed
+fails its tests with one line; they are never skipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL_TIMEOUT_S = 1500
+
+
+class PeerUnavailable(RuntimeError):
+    """The tool could not be installed or started here."""
+
+
+@dataclass(frozen=True)
+class ToolEnv:
+    name: str  # folder under .peer/
+    requirements: tuple[str, ...]
+    check: str  # Python that imports what the tests use
+    without_deps: tuple[str, ...] = ()  # installed after, ignoring their own (stale) pins
+    remove: tuple[str, ...] = ()  # pulled in by the requirements but breaking the import
+    env_var: str = ""  # names a ready environment to reuse instead
+
+    def directory(self) -> Path:
+        return Path(os.environ.get(self.env_var) or ROOT / ".peer" / self.name)
+
+    def python(self) -> Path:
+        return self.directory() / "bin" / "python"
+
+    def ensure(self) -> Path:
+        """The interpreter of an environment where `check` runs, installing it if needed."""
+        python, marker = self.python(), self.directory() / ".ready"
+        stamp = " ".join(self.requirements + self.without_deps)
+        if marker.is_file() and marker.read_text().strip() == stamp and python.is_file():
+            return python
+        _run([sys.executable, "-m", "venv", "--clear", str(self.directory())], f"creating {self.directory()}")
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        _run(pip + list(self.requirements), f"pip install {' '.join(self.requirements)}")
+        if self.without_deps:
+            _run(pip + ["--no-deps", *self.without_deps], f"pip install --no-deps {' '.join(self.without_deps)}")
+        if self.remove:  # ignore errors: absent packages are fine
+            subprocess.run(
+                [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *self.remove], capture_output=True
+            )
+        _run([str(python), "-c", self.check], f"{self.check} in the {self.name} environment")
+        marker.write_text(stamp + "\n")
+        return python
+
+
+def _run(command: list[str], what: str) -> None:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PeerUnavailable(f"{what} took over {INSTALL_TIMEOUT_S} s") from None
+    if result.returncode:
+        lines = [line for line in (result.stderr + result.stdout).splitlines() if "ignored" not in line]
+        raise PeerUnavailable(f"{what} failed: {lines[-1] if lines else f'exit {result.returncode}'}")
+
+
+def install_main(env: ToolEnv) -> None:
+    """`python -m <module>`: install the environment and print its interpreter (CI runs these first)."""
+    try:
+        print(env.ensure())
+    except PeerUnavailable as err:
+        print(f"{env.name}: {err}", file=sys.stderr)
+        sys.exit(1)
