@@ -9,6 +9,10 @@ The floor is bytes moved / measured copy bandwidth (a clone of a large buffer on
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,6 +67,14 @@ def cases(device: torch.device, vocab: int, hidden: int, batch: int, k: int):
     hidden_states = torch.randn(batch * 16, hidden, generator=g, device=device).to(torch.bfloat16)
     positions = torch.arange(batch * 16, device=device)
     norm = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    # A decode step's W4A16 and FP8 projections: `batch` tokens through a hidden x 4·hidden weight.
+    tokens, outputs = batch, 4 * hidden
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    words = torch.randint(-(2**31), 2**31, (outputs, hidden // 8), generator=g, device=device).to(torch.int32)
+    scales = torch.rand(outputs, hidden // 128, generator=g, device=device).to(torch.bfloat16) / 50
+    fp8 = (torch.randn(outputs, hidden, generator=g, device=device) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(outputs // 128, hidden // 128, generator=g, device=device) / 50
+    io = (x.numel() + tokens * outputs) * 2
     return [
         ("tensor_stats", f"{vocab}x{hidden} bf16", table.numel() * 2, "triton_stats", (table,)),
         (
@@ -100,7 +112,36 @@ def cases(device: torch.device, vocab: int, hidden: int, batch: int, k: int):
             "triton_mtp",
             (embeds, hidden_states, positions, norm, norm, 1e-5),
         ),
+        (
+            "w4a16_matmul",
+            f"{tokens} x {hidden} · int4 {outputs}x{hidden} g128",
+            words.numel() * 4 + scales.numel() * 2 + io,
+            "triton_quant",
+            (x, words, scales, None, 128, "pack-quantized"),
+        ),
+        (
+            "fp8_block_matmul",
+            f"{tokens} x {hidden} · fp8 {outputs}x{hidden} 128x128",
+            fp8.numel() + scale_inv.numel() * 4 + io,
+            "triton_quant",
+            (x, fp8, scale_inv, (128, 128)),
+        ),
     ]
+
+
+def compile_table() -> Table:
+    """Every kernel compiled for sm_80 and sm_90 at real sizes (specdoctor.kernels.targets), with the shared
+    memory Triton reports and the registers and spills ptxas reports: no GPU needed."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    command = [sys.executable, "-m", "specdoctor.kernels.targets", "--usage"]
+    report = json.loads(subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout)
+    table = Table(title="Compiled for the GPUs users run (triton.compile, GPUTarget cuda 80 / 90)")
+    for column in ("kernel", "variant", "sm", "shared memory", "registers", "spills"):
+        table.add_column(column, justify="left" if column in ("kernel", "variant") else "right")
+    for row in report["compiled"]:
+        table.add_row(row["kernel"], row["variant"], str(row["sm"]), f"{row['shared_bytes']:,} B",
+                      str(row["registers"]), f"{row['spill_bytes']} B")  # fmt: skip
+    return table
 
 
 def main() -> None:
@@ -146,6 +187,7 @@ def main() -> None:
             "On the CPU the runtime uses the torch reference (timed above); on a GPU this command also "
             "times the Triton kernels and their distance from the bandwidth floor."
         )
+    console.print(compile_table())
     console.print(f"machine: {machine()}")
     write_json(args.json, {"bandwidth_bytes_per_s": bandwidth, "rows": rows})
 

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from specdoctor import kernels
 from specdoctor.errors import SpecdoctorError
-from specdoctor.kernels import reference, triton_mtp, triton_stats, triton_verify
+from specdoctor.kernels import reference, triton_mtp, triton_quant, triton_stats, triton_verify
 
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed on this platform"
@@ -157,3 +162,82 @@ def test_runtime_and_checks_run_on_the_triton_kernels(monkeypatch):
     assert results["torch"][:2] == results["triton"][:2]
     for field, value in results["torch"][2].items():
         assert results["triton"][2][field] == pytest.approx(value, rel=1e-4), field
+
+
+def random_words(shape, generator) -> torch.Tensor:
+    """int32 words with every 4-bit field random (the whole code space, signs included)."""
+    return torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64).to(torch.int32)
+
+
+def assert_matmul_close(ours, expected):
+    """Summation order differs (tiles of 32 against one matmul): fp32 to 1e-5 of the largest output;
+    a bf16 output to one bf16 step of it."""
+    step = 2**-7 if expected.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=0, atol=step * float(expected.abs().max()))
+
+
+# (M tokens, N outputs, K inputs, group): one token; groups that straddle the kernel's 32-wide K tiles (48);
+# N and M that do not fill a tile
+QUANT_SHAPES = [(1, 8, 32, 32), (5, 72, 96, 48), (17, 200, 160, 32)]
+
+
+@pytest.mark.parametrize("m, n, k, group", QUANT_SHAPES)
+@pytest.mark.parametrize("packing, with_zeros", [("pack-quantized", False), ("pack-quantized", True), ("awq", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_matmul_kernel_matches_reference(m, n, k, group, packing, with_zeros, dtype):
+    generator = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    groups = -(-k // group)
+    if packing == "awq":
+        packed, zeros = random_words((k, n // 8), generator), random_words((groups, n // 8), generator)
+        scales = (torch.rand(groups, n, generator=generator) * 0.1).half()
+    else:
+        packed = random_words((n, k // 8), generator)
+        zeros = random_words((-(-n // 8), groups), generator) if with_zeros else None
+        scales = (torch.rand(n, groups, generator=generator) * 0.1).to(dtype)
+    ours = triton_quant.w4a16_matmul(x, packed, scales, zeros, group, packing)
+    expected = reference.w4a16_matmul(x, packed, scales, zeros, group, packing)
+    assert ours.dtype == expected.dtype == dtype
+    assert_matmul_close(ours, expected)
+
+
+def fp8_bytes(shape, generator) -> torch.Tensor:
+    """Random float8_e4m3fn values, NaN codes (0x7F, 0xFF) left out: one would poison a whole output column."""
+    codes = torch.randint(0, 254, shape, generator=generator)
+    codes = codes + (codes >= 0x7F).long()
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("m, n, k, block", [(3, 70, 100, (32, 64)), (16, 128, 256, (128, 128)), (1, 9, 40, (8, 16))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_matmul_kernel_matches_reference_with_partial_blocks(m, n, k, block, dtype):
+    generator = torch.Generator().manual_seed(n * k)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    weight = fp8_bytes((n, k), generator)
+    scale_inv = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=generator) * 0.01
+    ours = triton_quant.fp8_block_matmul(x, weight, scale_inv, block)
+    assert_matmul_close(ours, reference.fp8_block_matmul(x, weight, scale_inv, block))
+
+
+def test_fp8_kernel_decodes_every_e4m3_code_exactly():
+    """The kernel decodes float8 bytes itself (Triton has no e4m3 type on sm_80): each of the 256 codes, as
+    one product with 1.0, equals torch's float8_e4m3fn conversion, NaN codes included."""
+    codes = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn)[:, None]  # [N = 256, K = 1]
+    ours = triton_quant.fp8_block_matmul(torch.ones(1, 1), codes, torch.ones(1, 1), (256, 1))[0]
+    expected = codes.float()[:, 0]
+    assert torch.equal(ours.isnan(), expected.isnan()) and int(expected.isnan().sum()) == 2
+    assert torch.equal(ours.nan_to_num(), expected.nan_to_num())
+
+
+def test_every_kernel_compiles_for_a100_and_h100():
+    """triton.compile for sm_80 and sm_90 (no GPU needed) of every kernel in the package as its wrapper
+    launches it at a real model's sizes: a kernel the interpreter runs but a GPU compiler rejects fails here."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter's functions cannot be compiled
+    result = subprocess.run(
+        [sys.executable, "-m", "specdoctor.kernels.targets"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    compiled = {(row["kernel"], row["sm"]) for row in report["compiled"] if row["cubin_bytes"] > 0}
+    assert len(report["kernels"]) >= 8
+    assert compiled == {(kernel, sm) for kernel in report["kernels"] for sm in (80, 90)}

@@ -138,3 +138,19 @@ def test_a_missing_scale_is_an_error_and_the_runtime_refuses_it(w4a16_copy):
     result = specdoctor("generate", "--model", str(w4a16_copy), "--prompt", "def")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert key in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_quantised_embedding_is_a_hazard(tmp_path):
+    write_fp8_checkpoint(DEMO_MODELS["demo"], tmp_path / "fp8", (64, 64), also=("model.embed_tokens.weight",))
+    warnings = {f["check"]: f for f in preflight_of(tmp_path / "fp8") if f["severity"] == "warning"}
+    assert "model.embed_tokens.weight is stored quantised (fp8-block)" in warnings["quantization.embedding"]["message"]
+
+
+def test_a_quantization_config_with_nothing_quantised_is_a_hazard(tmp_path):
+    shutil.copytree(DEMO_MODELS["demo"], tmp_path / "demo")
+    config_path = tmp_path / "demo" / "config.json"
+    config = json.loads(config_path.read_text())
+    quantised = json.loads((DEMO_MODELS["demo-w4a16"] / "config.json").read_text())["quantization_config"]
+    config_path.write_text(json.dumps(config | {"quantization_config": quantised}))
+    warnings = [f["check"] for f in preflight_of(tmp_path / "demo") if f["severity"] == "warning"]
+    assert "quantization.config" in warnings

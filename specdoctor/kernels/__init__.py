@@ -68,3 +68,11 @@ def mtp_input(embeds, hidden, positions, enorm, hnorm, eps: float):
             f"{tuple(hidden.shape)} (an embedding that hands back token ids?)"
         )
     return _implementation(embeds, "triton_mtp", "mtp_input")(embeds, hidden, positions, enorm, hnorm, eps)
+
+
+def w4a16_matmul(x, packed, scales, zeros, group_size: int, packing: str):
+    return _implementation(x, "triton_quant", "w4a16_matmul")(x, packed, scales, zeros, group_size, packing)
+
+
+def fp8_block_matmul(x, weight, scale_inv, block: tuple[int, int]):
+    return _implementation(x, "triton_quant", "fp8_block_matmul")(x, weight, scale_inv, block)

@@ -191,3 +191,24 @@ def dequantize_fp8_block(
     rows, columns = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
     return (weight.float() * scale).to(dtype)
+
+
+def w4a16_matmul(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    packing: str,  # "pack-quantized" ([N, K/8], offset 8, optional zero points) or "awq" ([K, N/8], interleaved)
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x times the dequantised weight, transposed; the weight rounded to x's dtype as the runtime holds it."""
+    if packing == "awq":
+        weight = dequantize_awq(packed, zeros, scales, group_size)
+    else:
+        weight = dequantize_pack_quantized(packed, scales, zeros, x.shape[-1], 4, group_size)
+    return (x.float() @ weight.to(x.dtype).float().t()).to(x.dtype)
+
+
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    """x [M, K] times the block-FP8 weight [N, K] dequantised to x's dtype, transposed: [M, N]."""
+    return (x.float() @ dequantize_fp8_block(weight, scale_inv, block, x.dtype).float().t()).to(x.dtype)

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from tests.quant.quantize_run import KEEP, mtp_prefixes
 
 
-def write_fp8_checkpoint(float_dir: Path, out: Path, block: tuple[int, int]) -> None:
+def write_fp8_checkpoint(float_dir: Path, out: Path, block: tuple[int, int], also: tuple[str, ...] = ()) -> None:
     """Every target linear weight whose shape the blocks tile, quantised (transformers leaves the others in
-    floating point); the embedding, heads, router and MTP layer stay unquantised, as GLM-5-FP8 ships them."""
+    floating point); the embedding, heads, router and MTP layer stay unquantised, as GLM-5-FP8 ships them,
+    unless named in `also`."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
@@ -30,6 +31,7 @@ def write_fp8_checkpoint(float_dir: Path, out: Path, block: tuple[int, int]) -> 
         tensors = {}
         for key, value in load_file(str(float_dir / shard)).items():
             keep = value.dim() != 2 or any(part in key for part in KEEP) or key.startswith(tuple(skip))
+            keep = keep and key not in also
             tensors |= {key: value} if keep else quantize.convert({key: value.to(torch.bfloat16)})
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         index["weight_map"] |= dict.fromkeys(tensors, shard)
