@@ -79,10 +79,10 @@ DEMOS = {
     "demo-mla": {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
         "q_lora_rank": 96,
-        "kv_lora_rank": 64,
+        "kv_lora_rank": 96,
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16,
         "v_head_dim": 32,
