@@ -39,6 +39,19 @@ def _tile_dot(acc, x, w):
 
 
 @triton.jit
+def _load_x(x_ptr, rows, ks, M, K):
+    """The [BM, BK] tile of the activations x [M, K], zero outside it."""
+    return tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, rows, cols, M, N):
+    """The fp32 accumulator rounded to the output's dtype and stored where it lies inside out [M, N]."""
+    out = _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact: already representable
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, group_size, words_per_row, groups,
     AWQ: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -50,7 +63,7 @@ def _w4a16_kernel(
     for start in range(0, K, BK):
         ks = start + tl.arange(0, BK)
         inside = (ks[:, None] < K) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        x = _load_x(x_ptr, rows, ks, M, K)
         group = ks // group_size
         if AWQ:  # qweight [K, N/8]; column c sits in slot (c % 2) * 4 + (c % 8) // 2 of its word
             shift = (((cols % 8) % 2) * 4 + (cols % 8) // 2) * 4
@@ -69,9 +82,7 @@ def _w4a16_kernel(
             scale = tl.load(scale_ptr + cols[None, :] * groups + group[:, None], mask=inside, other=0.0)
         weight = _round((values - zeros).to(tl.float32) * scale.to(tl.float32), scale.dtype)  # [BK, BN]
         acc = _tile_dot(acc, x, weight)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    out = _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact: already representable
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=mask)
+    _store_tile(out_ptr, acc, rows, cols, M, N)
 
 
 @triton.jit
@@ -98,14 +109,12 @@ def _fp8_block_kernel(
     for start in range(0, K, BK):
         ks = start + tl.arange(0, BK)
         inside = (ks[:, None] < K) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        x = _load_x(x_ptr, rows, ks, M, K)
         weight = _e4m3_to_fp32(tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=inside, other=0))
         scale_at = (cols // block_n)[None, :] * scale_columns + (ks // block_k)[:, None]
         scale = tl.load(scale_ptr + scale_at, mask=inside, other=0.0).to(tl.float32)
         acc = _tile_dot(acc, x, weight * scale)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    out = _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact: already representable
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=mask)
+    _store_tile(out_ptr, acc, rows, cols, M, N)
 
 
 def _grid(rows: int, columns: int):
