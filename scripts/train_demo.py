@@ -1,5 +1,6 @@
-"""Train specdoctor's demo models, each a small MoE with one MTP layer: `demo` in GLM-4.5's layout, or
-`demo-mla` in GLM-5's (MLA attention with the DSA indexer).
+"""Train specdoctor's demo models, each a small MoE with one MTP layer: `demo` in GLM-4.5's layout,
+`demo-mla` in GLM-5's (MLA attention with the DSA indexer), or `demo-hybrid` in Qwen3.5-MoE's (Gated
+DeltaNet linear attention with gated full attention, and the `mtp.*` drafter).
 
 Data: the Python standard library's own sources (every machine with Python has them); files
 whose path hashes into the held-out bucket are never trained on. Deterministic for a given seed
@@ -7,6 +8,7 @@ and Python version. Runs on the CPU:
 
     python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
     python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 2400
+    python -m scripts.train_demo --demo demo-hybrid --out specdoctor/demo_hybrid_model --steps 2400
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
 (DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
@@ -29,6 +31,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.drafter.keys import drafter_layer_key, is_drafter_head
 from specdoctor.runtime.models.layers import Router
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.registry import read_config
@@ -47,19 +50,22 @@ MOE_FIELDS = {
     "num_hidden_layers": 4,
     "rms_norm_eps": 1e-5,
     "moe_intermediate_size": 128,
-    "n_routed_experts": 8,
     "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "n_group": 4,
-    "topk_group": 2,
-    "first_k_dense_replace": 1,
     "norm_topk_prob": True,
-    "routed_scaling_factor": 1.0,
-    "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
     "hidden_act": "silu",
     "torch_dtype": "bfloat16",
+}
+# GLM-4.5's and DeepSeek-V3's router, shared experts and dense first layer.
+DEEPSEEK_MOE = {
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "num_nextn_predict_layers": 1,
 }
 # Each demo: its architecture's own fields on top of the shared MoE ones.
 DEMOS = {
@@ -73,6 +79,7 @@ DEMOS = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         "attention_bias": True,
         "use_qk_norm": False,
+        **DEEPSEEK_MOE,
     },
     # GLM-5's layout at demo scale: MLA with q- and kv-LoRA and the DSA indexer. Its index_topk equals
     # max_position_embeddings, so, like GLM-5 below 2048 tokens, every query keeps its whole context.
@@ -97,6 +104,27 @@ DEMOS = {
         "mlp_layer_types": ["dense"] + ["sparse"] * 3,
         "layer_types": ["indexed_attention"] * 4,
         "indexer_types": ["full"] * 4,
+        **DEEPSEEK_MOE,
+    },
+    # Qwen3.5-MoE's layout: three Gated DeltaNet layers then gated full attention, softmax-routed experts
+    # with a gated shared expert, and the `mtp.*` drafter.
+    "demo-hybrid": {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "attention_bias": False,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "shared_expert_intermediate_size": 128,
+        "mtp_num_hidden_layers": 1,
     },
 }
 
@@ -185,9 +213,11 @@ def save_checkpoint(model: DemoModel, config: dict, tokenizer: Tokenizer, out: P
     for old in out.glob("*.safetensors"):
         old.unlink()
     tensors = dict(model.target.state_dict())
+    layout = model.drafter.config.mtp_keys
     for name, value in model.drafter.state_dict().items():
-        if name.startswith("layers."):  # the embedding stays only at the top-level key
-            tensors[f"model.{name}"] = value
+        # The embedding stays only at the top-level key; a layout without an own head takes lm_head.
+        if name.startswith("layers.") and (layout.own_head or not is_drafter_head(name)):
+            tensors[drafter_layer_key(model.drafter.config, name)] = value
     # bf16 like the real checkpoints, except the router's score-correction bias, which they keep in fp32.
     tensors = {
         k: v.detach()

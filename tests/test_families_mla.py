@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from specdoctor.commands.check import run_check
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.deepseek_v3 import ARCHITECTURES, INDEXER_ROPE_INTERLEAVED
-from specdoctor.runtime.options import RuntimeOptions
-from tests.helpers.families import SHIPS_OWN_COPIES, make_family_checkpoint
-from tests.helpers.loading import load_target_and_drafter
+from tests.helpers.families import (
+    SHIPS_OWN_COPIES,
+    assert_pipeline_matches_single_process,
+    checkpoints_by_architecture,
+    make_family_checkpoint,
+)
+from tests.helpers.loading import mtp_step_error
 from tests.test_check import check_options, specdoctor
-from tests.test_engine import reference
-from tests.test_model_parity import assert_greedy_tokens_match_generate, logits_error, relative_error
+from tests.test_model_parity import assert_matches_transformers, logits_error
 
 DSA_TOPK = 6  # fewer tokens than the test contexts hold, so the indexer's choice decides the output
 
@@ -33,21 +34,12 @@ def make_mla_checkpoint(path, architecture: str, seed: int = 0, **overrides):
 @pytest.fixture(scope="module")
 def mla_models(tmp_path_factory):
     """{architecture: (directory, transformers model)}."""
-    made = {}
-    for architecture in ARCHITECTURES:
-        path = tmp_path_factory.mktemp(architecture)
-        made[architecture] = path, make_mla_checkpoint(path, architecture)
-    return made
+    return checkpoints_by_architecture(tmp_path_factory, ARCHITECTURES, make_mla_checkpoint)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_logits_match_transformers_at_every_position(mla_models, architecture):
-    assert logits_error(*mla_models[architecture], batch=3, length=21, seed=1) < 1e-4
-
-
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_greedy_tokens_through_the_latent_cache_match_transformers_generate(mla_models, architecture):
-    assert_greedy_tokens_match_generate(*mla_models[architecture], prompt_lengths=(3, 11), new_tokens=32)
+def test_logits_and_greedy_tokens_through_the_latent_cache_match_transformers(mla_models, architecture):
+    assert_matches_transformers(*mla_models[architecture])
 
 
 YARN = {
@@ -140,39 +132,13 @@ def _first(output):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_mtp_step_matches_transformers_mtp_layer(mla_models, architecture):
     """Positions from 1: vLLM zeroes the embedding at position 0, transformers does not."""
-    path, model = mla_models[architecture]
-    _, drafter, provenance = load_target_and_drafter(Checkpoint(path))
-    assert not provenance.unfilled()
-    generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
-    prev_hidden = torch.randn(2, 12, model.config.hidden_size, generator=generator)
-    positions = torch.arange(1, 13).expand(2, -1)
-    with torch.no_grad():
-        _, logits = drafter(tokens, prev_hidden, positions)
-        expected = transformers_mtp_logits(path, tokens, prev_hidden, positions)
-    assert relative_error(logits, expected) < 1e-4
-
-
-PROMPTS = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    error, provenance = mtp_step_error(*mla_models[architecture], transformers_mtp_logits, first_position=1)
+    assert not provenance.unfilled() and error < 1e-4
 
 
 @pytest.mark.parametrize("architecture, pp", list(zip(ARCHITECTURES, (2, 3, 4, 4), strict=True)))
 def test_pipeline_matches_single_process_and_speculation_is_lossless(mla_models, architecture, pp):
-    """The configs keep transformers' default EOS, which the engine stops at (and does not emit)."""
-    path, model = mla_models[architecture]
-    greedy, expected_logits = reference(path, PROMPTS, 12)
-    eos = model.config.eos_token_id
-    expected_tokens = [tokens[: tokens.index(eos)] if eos in tokens else tokens for tokens in greedy]
-    with Engine(RuntimeOptions(str(path), pp=pp, timeout=60)) as engine:
-        logits = engine.prompt_logits(PROMPTS)
-        for row, prompt in enumerate(PROMPTS):
-            n = len(prompt)
-            torch.testing.assert_close(logits[row, :n], expected_logits[row, :n], rtol=1e-4, atol=1e-5)
-        assert engine.generate(PROMPTS, 12).tokens == expected_tokens
-        for k in (1, 3):
-            result = engine.generate(PROMPTS, 12, num_speculative_tokens=k)
-            assert result.tokens == expected_tokens
-            assert result.metrics.num_draft_tokens == k * result.metrics.num_drafts > 0
+    assert_pipeline_matches_single_process(*mla_models[architecture], pp, ks=(1, 3))
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

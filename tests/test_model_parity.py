@@ -60,6 +60,12 @@ def assert_greedy_tokens_match_generate(path, model, prompt_lengths: tuple[int, 
         assert greedy_generate(stage, [prompt[0].tolist()], new_tokens)[0] == expected[0, length:].tolist()
 
 
+def assert_matches_transformers(path, model) -> None:
+    """A family checkpoint against its transformers model: logits at every position, and greedy tokens."""
+    assert logits_error(path, model, batch=3, length=21, seed=1) < 1e-4
+    assert_greedy_tokens_match_generate(path, model, prompt_lengths=(3, 11), new_tokens=32)
+
+
 def test_greedy_tokens_with_kv_cache_match_transformers_generate(hf_checkpoint):
     assert_greedy_tokens_match_generate(*hf_checkpoint, prompt_lengths=(5, 11), new_tokens=32)
 

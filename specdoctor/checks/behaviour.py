@@ -35,6 +35,8 @@ def run_battery(
     result = engine.generate(prompts, max_tokens, num_speculative_tokens=k)
     lossless = [a == b for a, b in zip(plain, result.tokens, strict=True)]
     metrics = result.metrics.to_dict()
+    config = engine.config
+    recurrent = sum(config.is_linear_attention(i) for i in range(config.num_hidden_layers))
     profile = proposal_profile(result.proposals)
     baseline = bigram_baseline(plain)  # how predictable the target's own output is, token by token
     return {
@@ -43,7 +45,7 @@ def run_battery(
         "metrics": metrics,
         "proposals": profile,
         "bigram_baseline": baseline,
-        "findings": behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline),
+        "findings": behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent),
     }
 
 
@@ -62,7 +64,10 @@ def crashed_battery(error: str, stage: str) -> dict:
     return {"battery": "crashed", "lossless": [], "metrics": None, "proposals": None, "findings": [finding]}
 
 
-def behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline=None) -> list[Finding]:
+def behaviour_findings(
+    lossless, metrics, profile, k, min_length, stage, baseline=None, recurrent_layers: int = 0
+) -> list[Finding]:
+    """`recurrent_layers`: how many of the target's layers carry a recurrent state (hybrid models)."""
     findings = []
     mean, rates = metrics["mean_acceptance_length"], metrics["per_position_acceptance_rate"]
     passed = sum(lossless)
@@ -80,6 +85,18 @@ def behaviour_findings(lossless, metrics, profile, k, min_length, stage, baselin
                 stage,
             )
         )
+        if recurrent_layers:  # target-only decoding (one token a step) never has anything to roll back
+            findings.append(
+                Finding(
+                    "behaviour.state_rollback",
+                    "error",
+                    f"speculative output diverges on a hybrid model ({recurrent_layers} linear-attention layers) "
+                    "while target-only output is intact: rejected drafts stay in the recurrent state",
+                    "the engine must restore each linear-attention layer's state to the one after the last accepted "
+                    "token (keep the state per verified position, or recompute the accepted tokens)",
+                    stage,
+                )
+            )
     else:
         findings.append(
             Finding(

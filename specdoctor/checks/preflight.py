@@ -184,11 +184,24 @@ def ranks_without_moe_layer(config, ranks: list[Placement]) -> list[int]:
 
 
 def engine_placement(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+    architecture = checkpoint.config.architecture
+    findings = []
+    if len(ranks) > 1 and ARCHITECTURES[architecture].drafter_needs_first_rank:
+        findings.append(
+            Finding(
+                "placement.drafter_rank",
+                "warning",
+                f"vLLM 0.32's {ARCHITECTURES[architecture].vllm_drafter} drafter reads its inputs only on the first "
+                f"pipeline rank, but runs on rank {len(ranks) - 1}: its first draft step fails at PP > 1",
+                "serve it at PP 1 on vLLM 0.32 (Qwen3.5's drafter branches on its inputs and runs); specdoctor's "
+                "runtime runs it",
+            )
+        )
     refused = ranks_without_moe_layer(checkpoint.config, ranks)
     if not refused:
-        return []
+        return findings
     where = ", ".join(f"rank {r} (layers [{ranks[r].layers.start}, {ranks[r].layers.stop}))" for r in refused)
-    return [
+    return findings + [
         Finding(
             "placement.moe_layer",
             "warning",

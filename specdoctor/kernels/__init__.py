@@ -59,14 +59,18 @@ def rejection_random(draft_ids, cu_num_draft, draft_probs, target_probs, uniform
     )
 
 
-def mtp_input(embeds, hidden, positions, enorm, hnorm, eps: float):
-    # Engines fail here when the drafter's embedding aliases a placeholder that hands back token ids;
-    # both paths fail the same way instead of reading out of bounds (the Triton kernel would).
+def check_mtp_input(embeds, hidden) -> None:
+    """Engines fail at the MTP input when the drafter's embedding aliases a placeholder that hands back
+    token ids; every family's drafter fails the same way instead of reading out of bounds (a kernel would)."""
     if embeds.shape != hidden.shape or not embeds.is_floating_point():
         raise ValueError(
             f"MTP input: the embedding lookup gave {embeds.dtype} {tuple(embeds.shape)}, the hidden states are "
             f"{tuple(hidden.shape)} (an embedding that hands back token ids?)"
         )
+
+
+def mtp_input(embeds, hidden, positions, enorm, hnorm, eps: float):
+    check_mtp_input(embeds, hidden)
     return _implementation(embeds, "triton_mtp", "mtp_input")(embeds, hidden, positions, enorm, hnorm, eps)
 
 

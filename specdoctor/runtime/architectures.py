@@ -26,6 +26,7 @@ QWEN_MTP = MtpKeyLayout(
         "mtp.pre_fc_norm_hidden.weight",
         "mtp.norm.weight",
     ),
+    shared_prefix="mtp.",
     count_fields=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
 )
 # MiMo (vLLM: mimo_mtp.py).
@@ -58,6 +59,9 @@ class Architecture:
     tied_embedding_on_last_rank: bool = False
     # vLLM's model refuses to build a PP rank whose layers hold no MoE layer ("No ... layer found").
     needs_moe_layer_per_rank: bool = False
+    # vLLM's drafter forward takes its inputs only `if get_pp_group().is_first_rank`; it runs on the last rank,
+    # so at PP > 1 it takes the intermediate-tensors branch and asserts on the first draft step.
+    drafter_needs_first_rank: bool = False
 
 
 ARCHITECTURES = {
@@ -66,7 +70,9 @@ ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)"),
     "DeepseekV3ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp"),
     "DeepseekV32ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)"),
-    "Qwen3NextForCausalLM": Architecture(QWEN_MTP, "qwen3_next_mtp", needs_moe_layer_per_rank=True),
+    "Qwen3NextForCausalLM": Architecture(
+        QWEN_MTP, "qwen3_next_mtp", needs_moe_layer_per_rank=True, drafter_needs_first_rank=True
+    ),
     "Qwen3_5ForCausalLM": Architecture(QWEN_MTP, "qwen3_5_mtp"),
     "Qwen3_5MoeForCausalLM": Architecture(QWEN_MTP, "qwen3_5_mtp", needs_moe_layer_per_rank=True),
     "Qwen3_5ForConditionalGeneration": Architecture(QWEN_MTP, "qwen3_5_mtp"),

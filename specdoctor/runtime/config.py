@@ -20,6 +20,7 @@ class MtpKeyLayout:
     own_head: str | None = "shared_head.head.weight"  # and its own head
     layer_keys: tuple[str, ...] = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
     shared_keys: tuple[str, ...] = ()  # keys the drafter has once, outside its layers
+    shared_prefix: str = ""  # where the shared keys live: a layer module's `fc.weight` is `{shared_prefix}fc.weight`
     count_fields: tuple[str, ...] = ("num_nextn_predict_layers", "num_mtp_layers")  # config: how many layers
 
     def prefix(self, layer_id: int) -> str:
@@ -146,6 +147,10 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace
+
+    def is_linear_attention(self, layer_id: int) -> bool:
+        """A layer with a recurrent state instead of keys and values (hybrid families)."""
+        return False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -71,11 +71,13 @@ class RankModel:
     dtype: torch.dtype
     checkpoint: Checkpoint | None = None
     provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
+    state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
 
-    def cache(self, batch: int, max_len: int, layer_ids: list[int] | None = None) -> KVCache:
-        """A KV cache for this rank's layers (or the given ones, e.g. the MTP layers)."""
-        layers = self.stage.layer_ids if layer_ids is None else layer_ids
-        return new_cache(self.stage.config, layers, batch, max_len, self.dtype, self.device)
+    def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
+        """A cache for this rank's layers, or for the drafter's MTP layers."""
+        config = self.stage.config
+        layers = config.mtp_layer_ids if drafter else self.stage.layer_ids
+        return new_cache(config, layers, batch, max_len, self.dtype, self.device, drafter, self.state_rollback)
 
 
 def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ class BatchState:
             seed = request.sampling.seed
             self.generator.manual_seed(seed if seed is not None else torch.seed())
             if self.k:
-                mtp_cache = model.cache(batch, max_len, model.stage.config.mtp_layer_ids)
+                mtp_cache = model.cache(batch, max_len, drafter=True)
                 self.drafts = Drafts(model.drafter, mtp_cache, self.k, request, self.generator, model.device)
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
@@ -161,7 +163,9 @@ class BatchState:
         """The prompts through every rank; the last rank picks the first token and the first drafts."""
         model, batch = self.model, len(self.request.prompts)
         positions = torch.arange(self.ids.shape[1], device=model.device).expand(batch, -1)
+        self.cache.begin(valid_end=self.lengths, keep_positions=False)
         hidden = pipeline_pass(model, self.ids, positions, self.cache)
+        self.cache.commit(self.lengths - 1, torch.ones(batch, dtype=torch.bool, device=model.device))
         if model.placement.is_last:
             rows, last = torch.arange(batch, device=model.device), self.lengths - 1
             final = model.stage.model.norm(hidden)  # [B, L, H]: the drafter is fed the final-normed states
@@ -184,6 +188,7 @@ class BatchState:
         model, k, decision = self.model, self.k, self.decision
         pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
         positions = self.filled[:, None] + torch.arange(k + 1, device=model.device)  # [B, k+1]
+        self.cache.begin(valid_end=None, keep_positions=True)  # the accepted count is known only after
         hidden = pipeline_pass(model, pending_and_drafts, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
@@ -196,6 +201,7 @@ class BatchState:
     def advance(self) -> None:
         # Finished rows stay in the batch but stop advancing, so they never outgrow the KV cache.
         still = torch.tensor(self.active, device=self.model.device)
+        self.cache.commit(self.decision[:, 0], still)  # recurrent states: after the last accepted token
         self.filled = torch.where(still, self.filled + self.decision[:, 0] + 1, self.filled)
 
 

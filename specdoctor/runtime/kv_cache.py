@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specdoctor.runtime.linear_state import LinearStates
+
 
 class KVCache:
     """Per layer, one buffer per cached entry (standard attention: keys and values; MLA: its latent and
@@ -22,8 +24,9 @@ class KVCache:
         shapes: tuple[tuple[int, int], ...],  # (heads, width) of each entry
         dtype: torch.dtype,
         device: torch.device | str,
+        states: LinearStates | None = None,  # hybrid models: the linear-attention layers' recurrent states
     ):
-        self.batch, self.max_len = batch, max_len
+        self.batch, self.max_len, self.states = batch, max_len, states
         self.entries = {
             i: [torch.zeros(batch, max_len, heads, width, dtype=dtype, device=device) for heads, width in shapes]
             for i in layer_ids
@@ -59,7 +62,26 @@ class KVCache:
             buffer[rows, positions] = value
         return [buffer[:, :span] for buffer in stored]
 
+    def begin(self, valid_end: torch.Tensor | None, keep_positions: bool) -> None:
+        """Before a forward that will be committed (see LinearStates.begin); nothing to do without states."""
+        if self.states:
+            self.states.begin(valid_end, keep_positions)
 
-def new_cache(config, layer_ids: list[int], batch: int, max_len: int, dtype, device) -> KVCache:
-    """A cache for the given layers (a stage's, or the MTP layers) of a model with this config."""
-    return KVCache(layer_ids, batch, max_len, config.kv_cache_shapes, dtype, device)
+    def commit(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """After it: keep each row's recurrent states after position `index` (see LinearStates.commit)."""
+        if self.states:
+            self.states.commit(index, rows)
+
+
+def new_cache(
+    config, layer_ids: list[int], batch: int, max_len: int, dtype, device, drafter: bool = False, rollback: bool = True
+) -> KVCache:
+    """A cache for the given layers (a stage's, or the drafter's MTP layers) of a model with this config:
+    keys and values for attention layers, recurrent states for linear-attention ones."""
+    linear = [] if drafter else [i for i in layer_ids if config.is_linear_attention(i)]
+    attention = [i for i in layer_ids if i not in linear]
+    states = None
+    if linear:
+        conv, state = config.linear_state_shapes
+        states = LinearStates(linear, batch, conv, state, dtype, device, rollback)
+    return KVCache(attention, batch, max_len, config.kv_cache_shapes, dtype, device, states)

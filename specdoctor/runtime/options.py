@@ -46,6 +46,13 @@ class Fill(Choice):
     STALE = "stale"  # another weight's bytes, as a caching allocator's reused block
 
 
+class StateRollback(Choice):
+    """What a hybrid model's recurrent state keeps after a step that rejected drafts."""
+
+    EXACT = "exact"  # the state after the last accepted token
+    BROKEN = "broken"  # the state after every verified token, rejected ones included (an engine without rollback)
+
+
 class DraftSampleMethod(Choice):
     """How drafts are picked when the request samples (vLLM's `draft_sample_method`)."""
 
@@ -82,7 +89,7 @@ class RuntimeOptions:
     model: str = option(
         None,
         "--model",
-        help="Checkpoint directory, a Hugging Face id in the local cache, 'demo' or 'demo-mla'.",
+        help="Checkpoint directory, a Hugging Face id in the local cache, or a demo model's name (e.g. 'demo').",
         required=True,
     )
     tokenizer: str | None = option(
@@ -114,6 +121,11 @@ class RuntimeOptions:
     )
     head_policy: HeadPolicy = option(HeadPolicy.FIXED, "--head-policy", help="How the drafter's head is loaded.")
     fill: Fill = option(Fill.EMPTY, "--fill", help="What unloaded drafter memory holds.")
+    state_rollback: StateRollback = option(
+        StateRollback.EXACT,
+        "--state-rollback",
+        help="Hybrid models: roll the linear-attention state back to the last accepted token (exact), or not (broken).",
+    )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
     timeout: float = option(60.0, "--timeout", help="Seconds a rank waits on a peer before failing.")

@@ -20,7 +20,7 @@ from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.state import measure_drafter
 from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_batch, prompt_logits
 from specdoctor.runtime.loader import load_target_stage
-from specdoctor.runtime.options import Device, RuntimeOptions
+from specdoctor.runtime.options import Device, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 
 # Operations only the drafter's rank answers: what the live drafter holds, and its repair.
@@ -57,7 +57,8 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
         "bytes_read": checkpoint.bytes_read,
         "drafter_provenance": dict(provenance.sources),
     }
-    return RankModel(placement, stage, drafter, comm, device, dtype, checkpoint, provenance), info
+    rollback = options.state_rollback == StateRollback.EXACT
+    return RankModel(placement, stage, drafter, comm, device, dtype, checkpoint, provenance, rollback), info
 
 
 class StepReporter:

@@ -116,3 +116,45 @@ def make_family_checkpoint(path: Path, architecture: str, seed: int = 0, **overr
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, **HUB_CONFIG_FIELDS.get(architecture, {}), count_field: 1}))
     return model
+
+
+def checkpoints_by_architecture(tmp_path_factory, architectures, make=make_family_checkpoint) -> dict:
+    """{architecture: (directory, transformers model)}, one tiny checkpoint each (a module fixture's body)."""
+    made = {}
+    for architecture in architectures:
+        path = tmp_path_factory.mktemp(architecture)
+        made[architecture] = path, make(path, architecture)
+    return made
+
+
+# Prompts of different lengths in one batch, for the pipeline tests of every family.
+PIPELINE_PROMPTS = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def plain_greedy(path, model) -> tuple[list[list[int]], torch.Tensor]:
+    """(single-process greedy tokens for PIPELINE_PROMPTS, cut at the config's EOS as the engine stops there;
+    the prompt logits). The configs keep transformers' default EOS."""
+    from tests.test_engine import reference
+
+    greedy, logits = reference(path, PIPELINE_PROMPTS, 12)
+    eos = model.config.eos_token_id
+    return [tokens[: tokens.index(eos)] if eos in tokens else tokens for tokens in greedy], logits
+
+
+def assert_pipeline_matches_single_process(path, model, pp: int, ks) -> None:
+    """At PP `pp`: prompt logits and plain greedy tokens equal the single process's, and speculative decoding
+    with each k in `ks` gives the same tokens (lossless) with every draft counted."""
+    from specdoctor.runtime.engine import Engine
+    from specdoctor.runtime.options import RuntimeOptions
+
+    expected_tokens, expected_logits = plain_greedy(path, model)
+    with Engine(RuntimeOptions(str(path), pp=pp, timeout=60)) as engine:
+        logits = engine.prompt_logits(PIPELINE_PROMPTS)
+        for row, prompt in enumerate(PIPELINE_PROMPTS):
+            n = len(prompt)
+            torch.testing.assert_close(logits[row, :n], expected_logits[row, :n], rtol=1e-4, atol=1e-5)
+        assert engine.generate(PIPELINE_PROMPTS, 12).tokens == expected_tokens
+        for k in ks:
+            result = engine.generate(PIPELINE_PROMPTS, 12, num_speculative_tokens=k)
+            assert result.tokens == expected_tokens, k
+            assert result.metrics.num_draft_tokens == k * result.metrics.num_drafts > 0

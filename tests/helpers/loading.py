@@ -17,3 +17,18 @@ def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDra
     target = load_full_target(checkpoint)
     drafter, provenance = build_drafter(checkpoint, target, RuntimeOptions(str(checkpoint.path)), torch.device("cpu"))
     return target, drafter, provenance
+
+
+@torch.no_grad()
+def mtp_step_error(path, model, reference, first_position: int) -> tuple[float, Provenance]:
+    """(relative error of one MTP step of the runtime's drafter against `reference(path, tokens, prev_hidden,
+    positions)` on random inputs from `first_position`, the drafter's provenance)."""
+    from tests.test_model_parity import relative_error
+
+    _, drafter, provenance = load_target_and_drafter(Checkpoint(path))
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+    prev_hidden = torch.randn(2, 12, model.config.hidden_size, generator=generator)
+    positions = torch.arange(first_position, first_position + 12).expand(2, -1)
+    _, logits = drafter(tokens, prev_hidden, positions)
+    return relative_error(logits, reference(path, tokens, prev_hidden, positions)), provenance

@@ -24,7 +24,10 @@ def greedy_generate(
         stage.config, stage.layer_ids, batch, int(lengths.max()) + max_new_tokens, param.dtype, param.device
     )
     positions = torch.arange(ids.shape[1], device=param.device).expand(batch, -1)
+    every_row = torch.ones(batch, dtype=torch.bool, device=param.device)
+    cache.begin(valid_end=lengths, keep_positions=False)
     hidden = stage(ids, positions, cache)
+    cache.commit(lengths - 1, every_row)  # hybrid models: each row's recurrent state after its last prompt token
     rows = torch.arange(batch, device=param.device)
     next_tokens = stage.logits(hidden[rows, lengths - 1]).argmax(-1)  # [B]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -36,6 +39,8 @@ def greedy_generate(
                 done[row] = token in eos_ids
         if all(done) or step == max_new_tokens - 1:
             break
+        cache.begin(valid_end=None, keep_positions=False)
         hidden = stage(next_tokens[:, None], (lengths + step)[:, None], cache)
+        cache.commit(torch.zeros_like(lengths), every_row)
         next_tokens = stage.logits(hidden[:, -1]).argmax(-1)
     return outputs

@@ -80,7 +80,10 @@ def drafter_layer_key(config: ModelConfig, name: str) -> str | None:
     if not name.startswith("layers."):
         return None
     layer, rest = name.removeprefix("layers.").split(".", 1)
-    return config.mtp_keys.prefix(int(layer)) + rest
+    layout = config.mtp_keys
+    if layout.shared_prefix + rest in layout.shared_keys:  # a part the drafter holds once (Qwen's mtp.fc, ...)
+        return layout.shared_prefix + rest
+    return layout.prefix(int(layer)) + rest
 
 
 def expected_key(checkpoint: Checkpoint, name: str) -> str | None:
@@ -110,10 +113,13 @@ def target_key_for(checkpoint: Checkpoint):
 
 
 def expected_mtp_keys(config: ModelConfig, layer_id: int) -> list[str]:
-    """Every key an MTP layer needs: for a family the runtime runs, from its module itself (built on the meta
+    """Every key of its own an MTP layer needs: for a family the runtime runs, from its module itself (built on the meta
     device: no memory); for another, the layout's own keys (its decoder block is not known in detail)."""
     if not is_runnable(config):
         return [config.mtp_keys.prefix(layer_id) + name for name in config.mtp_keys.layer_keys]
     with torch.device("meta"):
         layer = family_of(config).mtp_layer(config, layer_id)
-    return [config.mtp_keys.prefix(layer_id) + name for name in layer.state_dict()]
+    names = [f"layers.{layer_id}.{name}" for name in layer.state_dict()]
+    # The shared parts are checked once (pre-flight's shared tensors); a layout without an own head takes lm_head.
+    keys = [drafter_layer_key(config, name) for name in names if config.mtp_keys.own_head or not is_drafter_head(name)]
+    return [key for key in keys if key not in config.mtp_keys.shared_keys]

@@ -27,7 +27,7 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, YarnScaling, common_fields
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import DecoderBlock, RMSNorm, add_mtp_parts, attention_span
+from specdoctor.runtime.models.layers import DecoderBlock, DeepseekMtpLayer, RMSNorm, attention_span
 from specdoctor.runtime.models.rope import apply_rotary, apply_rotary_interleaved, yarn_mscale
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
@@ -265,10 +265,6 @@ class DecoderLayer(DecoderBlock):
     attention = MlaAttention
 
 
-class MtpLayer(DecoderLayer):
+class MtpLayer(DeepseekMtpLayer, DecoderLayer):
     """DeepSeek-V3's MTP layer (`model.layers.{num_hidden_layers + i}.`), with its own shared_head and,
     in the official checkpoints, its own copy of the embedding."""
-
-    def __init__(self, config: MlaConfig, layer_id: int):
-        super().__init__(config, layer_id)
-        add_mtp_parts(self, config)

@@ -9,7 +9,7 @@ score-correction bias, plus shared experts). vLLM 0.32: `models/glm4_moe.py` (ta
 from __future__ import annotations
 
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields
-from specdoctor.runtime.models.layers import Attention, DecoderBlock, add_mtp_parts
+from specdoctor.runtime.models.layers import Attention, DecoderBlock, DeepseekMtpLayer
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 
@@ -40,9 +40,5 @@ class DecoderLayer(DecoderBlock):
     attention = Attention
 
 
-class MtpLayer(DecoderLayer):
+class MtpLayer(DeepseekMtpLayer, DecoderLayer):
     """GLM-4.5's MTP layer: its decoder block plus the MTP input projection and its own output head."""
-
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
-        add_mtp_parts(self, config)

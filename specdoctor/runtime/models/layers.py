@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdoctor import kernels
 from specdoctor.kernels.reference import rms_norm
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
@@ -163,9 +164,11 @@ GATHER_LIMIT_BYTES = 16 << 20
 
 
 class MoE(FusedWeights):
+    router: type[nn.Module] = Router  # (config) -> module returning (weights [N, k], expert ids [N, k])
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate = Router(config)
+        self.gate = self.router(config)
         size = config.moe_intermediate_size
         self.experts = nn.ModuleList(MLP(config.hidden_size, size) for _ in range(config.n_routed_experts))
         if config.n_shared_experts:
@@ -188,9 +191,10 @@ class MoE(FusedWeights):
             out = self.gathered_experts(flat, weights, expert_ids)
         else:
             out = self.looped_experts(flat, weights, expert_ids)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(flat)
-        return out.view_as(x)
+        return (out + self.shared(flat)).view_as(x)
+
+    def shared(self, flat: torch.Tensor) -> torch.Tensor | float:  # [N, H] -> what the shared experts add
+        return self.shared_experts(flat) if hasattr(self, "shared_experts") else 0.0
 
     def gathered_experts(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
         tokens, per_token = expert_ids.shape
@@ -246,10 +250,25 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def add_mtp_parts(layer: nn.Module, config: ModelConfig) -> None:
-    """What makes a decoder block a DeepSeek-style MTP layer: the norms and projection of its input
-    (docs/engine-semantics.md §MTP step) and its own output head."""
-    layer.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    layer.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    layer.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-    layer.shared_head = SharedHead(config)
+class DeepseekMtpLayer(nn.Module):
+    """What makes a family's decoder block a DeepSeek-style MTP layer (docs/engine-semantics.md §MTP step):
+    the norms and projection of its input, and its own output head. A family's MTP layer is
+    `class MtpLayer(DeepseekMtpLayer, DecoderLayer)`."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__(config, layer_id)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def mtp_input(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The block's input [B, T, H] from the next tokens' embeddings and the previous hidden states."""
+        eps = self.enorm.eps
+        return self.eh_proj(
+            kernels.mtp_input(embeds, prev_hidden, positions, self.enorm.weight, self.hnorm.weight, eps)
+        )
+
+    def mtp_output(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the hidden state the next chain step is fed: the block's output, the logits)."""
+        return hidden, self.shared_head.head(self.shared_head.norm(hidden))

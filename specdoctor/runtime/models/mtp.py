@@ -1,12 +1,12 @@
 """The MTP drafter, run on the last pipeline rank: its own token embedding (which engines must fill
-from the target checkpoint) and the family's MTP layers (docs/engine-semantics.md §MTP step)."""
+from the target checkpoint) and the family's MTP layers, each of which says how it takes its input and
+gives its output (docs/engine-semantics.md §MTP step)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from specdoctor import kernels
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
 from specdoctor.runtime.models.registry import family_of
@@ -32,8 +32,5 @@ class MtpDrafter(nn.Module):
         # step index the model code would take modulo the layer count (docs/engine-semantics.md §MTP step).
         layer = self.layers[str(self.config.mtp_layer_ids[0])]
         embeds = self.embed_tokens(tokens)  # an aliased PPMissingLayer hands back the token ids: the step fails
-        x = layer.eh_proj(
-            kernels.mtp_input(embeds, prev_hidden, positions, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps)
-        )
-        hidden = layer(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
-        return hidden, layer.shared_head.head(layer.shared_head.norm(hidden))
+        x = layer.mtp_input(embeds, prev_hidden, positions)
+        return layer.mtp_output(layer(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache))

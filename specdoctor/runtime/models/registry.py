@@ -15,7 +15,8 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
-from specdoctor.runtime.models import deepseek_v3, glm4_moe
+from specdoctor.runtime.models import deepseek_v3, glm4_moe, qwen3_next
+from specdoctor.runtime.models.layers import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ModelFamily:
     read_config: Callable[[RawConfig, str, MtpKeyLayout], ModelConfig]  # (fields, architecture, MTP layout)
     decoder_layer: type[nn.Module]  # a target block: (config, layer_id)
     mtp_layer: type[nn.Module]  # an MTP layer: (config, layer_id)
+    norm: type[nn.Module] = RMSNorm  # the final norm: (size, eps)
 
 
 FAMILIES = {
@@ -30,6 +32,12 @@ FAMILIES = {
     **{
         architecture: ModelFamily(deepseek_v3.read_mla_config, deepseek_v3.DecoderLayer, deepseek_v3.MtpLayer)
         for architecture in deepseek_v3.ARCHITECTURES
+    },
+    **{
+        architecture: ModelFamily(
+            qwen3_next.read_config, qwen3_next.DecoderLayer, qwen3_next.MtpLayer, qwen3_next.OffsetRMSNorm
+        )
+        for architecture in qwen3_next.ARCHITECTURES
     },
 }
 # config.json files without `architectures` are read as the first family's, as before.

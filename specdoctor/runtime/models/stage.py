@@ -8,7 +8,7 @@ from torch import nn
 
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import PPMissingLayer, RMSNorm
+from specdoctor.runtime.models.layers import PPMissingLayer
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
 
@@ -22,9 +22,9 @@ class TargetStage(nn.Module):
         # Parameter names equal the checkpoint keys: model.embed_tokens, model.layers.{i}, model.norm, lm_head.
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, hidden) if has_embedding else PPMissingLayer()
-        block = family_of(config).decoder_layer
-        self.model.layers = nn.ModuleDict({str(i): block(config, i) for i in self.layer_ids})
-        self.model.norm = RMSNorm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
+        family = family_of(config)
+        self.model.layers = nn.ModuleDict({str(i): family.decoder_layer(config, i) for i in self.layer_ids})
+        self.model.norm = family.norm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if has_head else PPMissingLayer()
 
     @property
