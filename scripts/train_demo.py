@@ -7,7 +7,7 @@ whose path hashes into the held-out bucket are never trained on. Deterministic f
 and Python version. Runs on the CPU:
 
     python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
-    python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 2400
+    python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 3600
     python -m scripts.train_demo --demo demo-hybrid --out specdoctor/demo_hybrid_model --steps 2400
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
