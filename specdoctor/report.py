@@ -27,7 +27,13 @@ class Finding:
 # The two independent kinds of evidence about a drafter: its weights' content against the checkpoint,
 # and its behaviour. The runtime's own provenance label is context, not evidence about an engine.
 CONTENT_SIGNALS = ("drafter.alias", "drafter.stats", "drafter.fingerprint")
-BEHAVIOUR_SIGNALS = ("behaviour.acceptance", "behaviour.constant_proposals", "behaviour.crash", "behaviour.lossless")
+BEHAVIOUR_SIGNALS = (
+    "behaviour.acceptance",
+    "behaviour.constant_proposals",
+    "behaviour.crash",
+    "behaviour.lossless",
+    "behaviour.state_rollback",
+)
 
 
 @dataclass

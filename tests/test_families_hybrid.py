@@ -14,21 +14,19 @@ import torch
 from safetensors.torch import save_file
 
 from specdoctor.commands.check import run_check
-from specdoctor.runtime.engine import Engine
+from specdoctor.commands.inspect import summarize
+from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.kv_cache import new_cache
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
-from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.families import (
-    PIPELINE_PROMPTS,
     assert_pipeline_matches_single_process,
     checkpoints_by_architecture,
     make_family_checkpoint,
-    plain_greedy,
     saved_tensors,
 )
 from tests.helpers.loading import mtp_step_error
 from tests.helpers.reference_decoder import greedy_generate
-from tests.test_check import check_options, specdoctor
+from tests.test_check import check_options
 from tests.test_model_parity import assert_matches_transformers, full_stage, logits_error, relative_error
 
 
@@ -166,36 +164,41 @@ def test_pipeline_matches_single_process_and_speculation_is_lossless(hybrid_mode
     assert_pipeline_matches_single_process(*hybrid_models[architecture], pp, ks=range(1, 6))
 
 
-def test_an_engine_without_state_rollback_diverges_from_plain_greedy(hybrid_models):
-    """Every rejected draft's update stays in the recurrent state: the output changes (here the random
-    drafter's drafts are all rejected, so every step corrupts it)."""
-    path, model = hybrid_models["Qwen3_5MoeForCausalLM"]
-    expected = plain_greedy(path, model)[0]
-    with Engine(RuntimeOptions(str(path), pp=2, timeout=60, state_rollback="broken")) as engine:
-        assert engine.generate(PIPELINE_PROMPTS, 12).tokens == expected  # plain decoding: nothing to roll back
-        assert engine.generate(PIPELINE_PROMPTS, 12, num_speculative_tokens=3).tokens != expected
+FAULTS = [  # (architecture, PP, embedding policy, head policy, fill): each architecture a different fault
+    ("Qwen3NextForCausalLM", 4, "engine-legacy", "engine-legacy", "nan"),
+    ("Qwen3_5MoeForCausalLM", 2, "alias-placeholder", "fixed", "empty"),
+    ("Qwen3_5ForCausalLM", 2, "fixed", "unloaded", "zeros"),
+]
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_check_at_pp4_finds_and_repairs_the_legacy_loading(hybrid_models, architecture):
-    """The `mtp.*` layout ships no own embedding or head: loaded the legacy way at PP 4 (SGLang's Qwen3.5 MTP
-    before PR #37471), both stay unfilled on the last rank; content finds them, the repair reads the target's
-    `model.embed_tokens.weight` and `lm_head.weight`, and the battery passes before and after."""
+@pytest.mark.parametrize("architecture, pp, policy, head, fill", FAULTS, ids=["legacy-nan", "alias", "unloaded-head"])
+def test_check_finds_and_repairs_the_broken_drafter(hybrid_models, architecture, pp, policy, head, fill):
+    """The `mtp.*` layout ships no own embedding or head, so at PP > 1 the legacy loading (SGLang's Qwen3.5 MTP
+    before PR #37471) leaves both unfilled on the last rank, an alias takes the first rank's placeholder (the
+    first draft step fails), and an unloaded head holds its fill. Content finds each; the repair reads the
+    target's tensors and the battery passes after it. The drafter is random: acceptance is not asserted."""
     path = str(hybrid_models[architecture][0])
-    report = run_check(check_options(path, 4, None, 3, "engine-legacy", "engine-legacy", "nan", repair=True), False)
+    report = run_check(check_options(path, pp, None, 3, policy, head, fill, repair=True), False)
     before, after = report.stages
-    provenance = before.drafter["provenance"]
-    assert provenance["embed_tokens.weight"] == provenance["layers.0.shared_head.head.weight"] == "unfilled:nan"
-    assert {"drafter.stats", "drafter.fingerprint"} <= set(before.signals()["content"])
-    assert before.behaviour["battery"] == after.behaviour["battery"] == "9/9"
-    assert report.repair.repaired and after.signals()["content"] == []
-    assert after.drafter["provenance"]["embed_tokens.weight"] == "checkpoint:model.embed_tokens.weight"
+    assert before.signals()["content"], before.findings
+    assert before.behaviour["battery"] == ("crashed" if policy == "alias-placeholder" else "9/9")
+    assert report.repair.repaired and after.signals()["content"] == [] and after.behaviour["battery"] == "9/9"
+    assert after.drafter["provenance"]["embed_tokens.weight"] in (
+        "alias:model.embed_tokens",
+        "checkpoint:model.embed_tokens.weight",
+    )
+    assert after.drafter["provenance"]["layers.0.shared_head.head.weight"] in (
+        "alias:lm_head",
+        "checkpoint:lm_head.weight",
+    )
 
 
 def test_check_names_a_missing_rollback_and_only_on_the_engine_that_lacks_it(hybrid_models):
+    """An engine that keeps every verified token in the recurrent state: its target-only output (one token a
+    step, nothing to roll back) is right and its speculative output diverges, which check names."""
     path = str(hybrid_models["Qwen3NextForCausalLM"][0])
-    healthy = run_check(check_options(path, 2, None, 3, "fixed", "fixed"), False).stages[0]
-    options = check_options(path, 2, None, 3, "fixed", "fixed")
+    healthy = run_check(check_options(path, 1, None, 3, "fixed", "fixed"), False).stages[0]
+    options = check_options(path, 1, None, 3, "fixed", "fixed")
     broken_options = dataclasses.replace(options, runtime=dataclasses.replace(options.runtime, state_rollback="broken"))
     broken = run_check(broken_options, False).stages[0]
     names = lambda stage: {finding.check for finding in stage.findings}  # noqa: E731
@@ -211,7 +214,5 @@ def test_check_names_a_missing_rollback_and_only_on_the_engine_that_lacks_it(hyb
 def test_preflight_warns_where_vllms_qwen3_next_drafter_fails_past_pp1(hybrid_models, architecture, pp, warned):
     """vLLM 0.32's Qwen3-Next drafter takes its inputs only on the first PP rank, so at PP > 1 (where it runs on
     the last) its first draft step asserts; Qwen3.5's branches on its inputs."""
-    path = hybrid_models[architecture][0]
-    result = specdoctor("inspect", "--model", str(path), "--pp", str(pp), "--json")
-    checks = {finding["check"] for finding in json.loads(result.stdout)["preflight"]}
-    assert ("placement.drafter_rank" in checks) == warned
+    summary = summarize(Checkpoint(hybrid_models[architecture][0]), pp)
+    assert ("placement.drafter_rank" in {finding["check"] for finding in summary["preflight"]}) == warned
