@@ -1,6 +1,6 @@
 """Acceptance on a demo model, in the pipeline runtime, for each drafter loading policy.
 
-    python -m benchmarks.acceptance [--model demo|demo-mla] [--pp 4] [--prompts 16] [--new-tokens 64]
+    python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid] [--pp 4] [--prompts 16] [--new-tokens 64]
         [--json runs/acceptance.json]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).

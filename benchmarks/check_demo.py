@@ -1,7 +1,7 @@
 """Time to verdict: `specdoctor check --model demo --pp 4 --repair` as a user runs it, process
 start-up included, stage by stage, with the before/after table it reports.
 
-    python -m benchmarks.check_demo [--model demo|demo-mla] [--pp 4] [--k 3] [--json runs/check_demo.json]
+    python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid] [--pp 4] [--k 3] [--json runs/check_demo.json]
 """
 
 from __future__ import annotations

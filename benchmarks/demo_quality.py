@@ -2,7 +2,7 @@
 
 Prints the greedy MTP acceptance at draft position 0 and writes JSON:
 
-    python -m benchmarks.demo_quality [--model demo|demo-mla] [--prompts 32] [--new-tokens 64]
+    python -m benchmarks.demo_quality [--model demo|demo-mla|demo-hybrid] [--prompts 32] [--new-tokens 64]
         [--json runs/demo_quality.json]
 """
 

@@ -77,6 +77,7 @@ FAULTS = [
     ("language_model", 2, None, 3, "engine-legacy", "engine-legacy", "empty"),
     ("single", 2, None, 3, "engine-legacy", "engine-legacy", "zeros"),
     ("demo-mla", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
+    ("demo-hybrid", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
     ("demo-w4a16", 4, None, 3, "engine-legacy", "engine-legacy", "nan"),
     ("fp8", 3, None, 3, "engine-legacy", "engine-legacy", "zeros"),
 ]
@@ -95,6 +96,7 @@ FAULTS = [
         "language-model-prefix",
         "single-file-checkpoint",
         "mla-legacy-nan",
+        "hybrid-legacy-nan",
         "w4a16-legacy-nan",
         "fp8-legacy-zeros",
     ],
@@ -126,8 +128,14 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
 
 @pytest.mark.parametrize(
     "model, pp, policy",
-    [("demo", 1, "engine-legacy"), ("demo", 4, "fixed"), ("demo-mla", 4, "fixed"), ("demo-w4a16", 4, "fixed")],
-    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed", "w4a16-pp4-fixed"],
+    [
+        ("demo", 1, "engine-legacy"),
+        ("demo", 4, "fixed"),
+        ("demo-mla", 4, "fixed"),
+        ("demo-hybrid", 4, "fixed"),
+        ("demo-w4a16", 4, "fixed"),
+    ],
+    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed", "hybrid-pp4-fixed", "w4a16-pp4-fixed"],
 )
 def test_healthy_configurations_have_no_error_findings(model, pp, policy):
     report = run_check(check_options(model, pp, None, 3, policy, "engine-legacy"), show_progress=False)

@@ -173,10 +173,11 @@ FAULTS = [  # (architecture, PP, embedding policy, head policy, fill): each arch
 
 @pytest.mark.parametrize("architecture, pp, policy, head, fill", FAULTS, ids=["legacy-nan", "alias", "unloaded-head"])
 def test_check_finds_and_repairs_the_broken_drafter(hybrid_models, architecture, pp, policy, head, fill):
-    """The `mtp.*` layout ships no own embedding or head, so at PP > 1 the legacy loading (SGLang's Qwen3.5 MTP
-    before PR #37471) leaves both unfilled on the last rank, an alias takes the first rank's placeholder (the
-    first draft step fails), and an unloaded head holds its fill. Content finds each; the repair reads the
-    target's tensors and the battery passes after it. The drafter is random: acceptance is not asserted."""
+    """The `mtp.*` layout ships no own embedding, so at PP > 1 the legacy loading (SGLang's Qwen3.5 MTP
+    before PR #37471) leaves it unfilled on the last rank (the head is `lm_head` in every engine), an alias
+    takes the first rank's placeholder (the first draft step fails), and a forced unloaded head holds its
+    fill. Content finds each; the repair reads the target's tensors and the battery passes after it. The
+    drafter is random: acceptance is not asserted."""
     path = str(hybrid_models[architecture][0])
     report = run_check(check_options(path, pp, None, 3, policy, head, fill, repair=True), False)
     before, after = report.stages

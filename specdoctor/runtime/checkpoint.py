@@ -27,7 +27,12 @@ SINGLE_FILE = "model.safetensors"
 # and the first quantised to W4A16 by llm-compressor (the seed deployment's scheme).
 DEMO_MODELS = {
     name: Path(__file__).resolve().parent.parent / folder
-    for name, folder in (("demo", "demo_model"), ("demo-mla", "demo_mla_model"), ("demo-w4a16", "demo_w4a16_model"))
+    for name, folder in (
+        ("demo", "demo_model"),
+        ("demo-mla", "demo_mla_model"),
+        ("demo-hybrid", "demo_hybrid_model"),
+        ("demo-w4a16", "demo_w4a16_model"),
+    )
 }
 DEMO_DIR = DEMO_MODELS["demo"]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit

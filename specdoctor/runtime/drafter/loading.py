@@ -21,6 +21,7 @@ Head policies (`shared_head.head`):
   fixed             the MTP layer's own key, else the target's `lm_head` (vLLM 0.32, after PR #34385).
   engine-legacy     the own key only, else left as allocated: vLLM before PR #34385 (Feb 2026), where
                     GLM-5, whose checkpoint has no own head, got NaN logits and 0 of 279 drafts accepted.
+                    Layouts without an own head (Qwen's `mtp.*`) load `lm_head` in every engine: as fixed.
   unloaded          left as allocated even when the checkpoint ships it: the same symptom, forced.
 What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another weight's bytes).
 """
@@ -123,6 +124,8 @@ def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, prove
 
 def _place_heads(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
     policy = options.head_policy
+    if policy == HeadPolicy.ENGINE_LEGACY and checkpoint.config.mtp_keys.own_head is None:
+        policy = HeadPolicy.FIXED  # a layout without an own head (Qwen's mtp.*): every engine loads lm_head
     for layer_id, layer in drafter.layers.items():
         name, key = drafter_head_name(int(layer_id)), own_head_key(checkpoint.config, int(layer_id))
         head = layer.shared_head.head
