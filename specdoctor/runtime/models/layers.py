@@ -224,20 +224,31 @@ class SharedHead(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Attention then a dense MLP or (from `first_k_dense_replace`) MoE, each pre-normed with a residual.
-    A family's block sets `attention` (GLM-4.5: grouped-query attention; DeepSeek-V3: MLA)."""
+    """A token mixer then a dense MLP or MoE (`config.is_moe_layer`), each pre-normed with a residual.
+    A family's block sets `attention` (GLM-4.5: grouped-query attention; DeepSeek-V3: MLA) and, where its
+    own differ, `moe_type` and `norm_type` (not `norm`: a module may carry that name); a hybrid family
+    overrides `add_mixer` to pick the mixer per layer."""
 
     attention: type[nn.Module]
+    moe_type: type[nn.Module] = MoE
+    norm_type: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.self_attn = self.attention(config, layer_id)
+        self.add_mixer(config, layer_id)
         if config.is_moe_layer(layer_id):
-            self.mlp = MoE(config)
+            self.mlp = self.moe_type(config)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_type(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_type(config.hidden_size, config.rms_norm_eps)
+
+    def add_mixer(self, config: ModelConfig, layer_id: int) -> None:
+        self.self_attn = self.attention(config, layer_id)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
 
     def forward(
         self,
@@ -246,7 +257,7 @@ class DecoderBlock(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None,
     ) -> torch.Tensor:  # [B, T, H]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache)
+        x = x + self.mixer(self.input_layernorm(x), positions, rotary, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -24,7 +24,7 @@ from specdoctor.errors import CheckpointError
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields
 from specdoctor.runtime.kv_cache import KVCache
 from specdoctor.runtime.models.gated_deltanet import GatedDeltaNet
-from specdoctor.runtime.models.layers import MLP, MoE, RMSNorm, attention_span
+from specdoctor.runtime.models.layers import MLP, DecoderBlock, MoE, RMSNorm, attention_span
 from specdoctor.runtime.models.rope import apply_rotary
 
 FUSED_PROJECTION = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": False}
@@ -184,24 +184,22 @@ class HybridMoE(MoE):
         return self.shared_expert_gate(flat).sigmoid() * self.shared_expert(flat)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DecoderBlock):
     """A linear-attention or full-attention block (as `layer_types` says), then a dense MLP or the MoE."""
 
-    def __init__(self, config: HybridConfig, layer_id: int, linear: bool | None = None):
-        super().__init__()
-        if config.is_linear_attention(layer_id) if linear is None else linear:
+    attention = GatedAttention
+    moe_type = HybridMoE
+    norm_type = OffsetRMSNorm
+
+    def add_mixer(self, config: HybridConfig, layer_id: int) -> None:
+        if config.is_linear_attention(layer_id):
             self.linear_attn = GatedDeltaNet(config, layer_id)
         else:
-            self.self_attn = GatedAttention(config, layer_id)
-        dense = MLP(config.hidden_size, config.intermediate_size) if not config.is_moe_layer(layer_id) else None
-        self.mlp = dense or HybridMoE(config)
-        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+            super().add_mixer(config, layer_id)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache | None) -> torch.Tensor:
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        x = x + mixer(self.input_layernorm(x), positions, rotary, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
 class MtpLayer(DecoderLayer):
@@ -210,7 +208,7 @@ class MtpLayer(DecoderLayer):
     `shared_head.head` is the target's lm_head: the layout ships no own head."""
 
     def __init__(self, config: HybridConfig, layer_id: int):
-        super().__init__(config, layer_id, linear=False)
+        super().__init__(config, layer_id)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, eps)
@@ -218,6 +216,9 @@ class MtpLayer(DecoderLayer):
         self.norm = OffsetRMSNorm(hidden, eps)
         self.shared_head = nn.Module()
         self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
+
+    def add_mixer(self, config: HybridConfig, layer_id: int) -> None:
+        self.self_attn = GatedAttention(config, layer_id)  # MTP layer ids count from 0: never linear attention
 
     def mtp_input(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kernels.check_mtp_input(embeds, prev_hidden)
