@@ -8,7 +8,7 @@ and Python version. Runs on the CPU:
 
     python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
     python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 3600
-    python -m scripts.train_demo --demo demo-hybrid --out specdoctor/demo_hybrid_model --steps 2400
+    python -m scripts.train_demo --demo demo-hybrid --out specdoctor/demo_hybrid_model --steps 3600
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
 (DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
