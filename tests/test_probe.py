@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 import httpx
 import pytest
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.probe.client import acceptance, enable_hint, probe_findings
 from specdoctor.runtime.metrics import SpecMetrics
@@ -45,6 +46,8 @@ def test_reads_vllm_exposition_with_total_created_and_position_labels():
     assert metrics == SpecMetrics(120, 360, 200, [100, 70, 30])
     assert metrics.mean_acceptance_length == pytest.approx(1 + 200 / 120)
     assert prometheus.spec_counters(prometheus.parse("vllm:num_requests_running 0\n")) is None
+    with pytest.raises(SpecdoctorError, match="http://x/metrics: not Prometheus text exposition"):
+        prometheus.parse("<html><body>a proxy's login page</body></html>", "http://x/metrics")
 
 
 def test_window_uses_differences_and_sglang_uses_verify_counts():

@@ -95,14 +95,6 @@ def test_openai_client_completes_chats_and_streams_like_generate(server):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == expected[-1]
 
 
-def test_stop_strings_cut_the_text(server):
-    body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
-    full = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    stop = full[5:8]
-    cut = httpx.post(f"{server.url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
-    assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"
-
-
 def scrape(url: str) -> dict[str, float]:
     samples = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
@@ -111,43 +103,113 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def stream_completion(url: str, prompt: str) -> tuple[str, dict]:
-    text, spec = "", None
-    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+def stream_completion(url: str, body: dict) -> tuple[str, str, dict]:
+    """(text, finish reason, spec counters) of one streamed completion."""
+    text, reason, spec = "", None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 text += chunk["choices"][0]["text"]
+                reason = chunk["choices"][0]["finish_reason"] or reason
                 spec = chunk.get("spec_decode", spec)
-    return text, spec
+    return text, reason, spec
 
 
-def test_32_concurrent_streaming_clients_match_sequential_and_metrics_add_up(server):
-    prompts = [f"def function_{i}(value):\n    return" for i in range(32)]
-    sequential = [
-        httpx.post(
-            f"{server.url}/v1/completions", json={"prompt": p, "max_tokens": 20, "temperature": 0}, timeout=60
-        ).json()["choices"][0]["text"]
-        for p in prompts
-    ]
+def complete(url: str, body: dict) -> tuple[str, str]:
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return choice["text"], choice["finish_reason"]
+
+
+def soak_requests(url: str) -> list[dict]:
+    """64 requests: lengths 4-35, greedy and seeded sampling, a third ending at a stop string taken
+    from their own solo output, some at a stop token id."""
+    requests = []
+    for i in range(64):
+        body = {"prompt": f"def function_{i}(value):\n    return", "max_tokens": 4 + i % 32, "temperature": 0}
+        if i % 4 == 1:
+            body.update(temperature=0.8, seed=i)
+        if i % 8 == 2:
+            body["stop_token_ids"] = [8]  # a frequent token of the demo's vocabulary
+        requests.append(body)
+    for body in requests[::3]:
+        solo, _ = complete(url, body)
+        if len(solo) > 6:
+            body["stop"] = [solo[4:6]]
+    return requests
+
+
+def test_64_concurrent_streams_mixed_lengths_stops_and_sampling_match_their_solo_runs(server):
+    requests = soak_requests(server.url)
+    solo = [complete(server.url, body) for body in requests]
     before = scrape(server.url)
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda p: stream_completion(server.url, p), prompts))
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda body: stream_completion(server.url, body), requests))
     after = scrape(server.url)
-    assert [text for text, _ in results] == sequential
+    assert [(text, reason) for text, reason, _ in results] == solo
+    assert {reason for _, reason in solo} == {"stop", "length"}  # both endings occur
+    assert sum("stop" in body for body in requests) > 15
     label = '{model_name="demo"}'
     for counter, field in [
         ("vllm:spec_decode_num_drafts_total", "num_drafts"),
         ("vllm:spec_decode_num_draft_tokens_total", "num_draft_tokens"),
         ("vllm:spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
     ]:
-        assert after[counter + label] - before[counter + label] == sum(spec[field] for _, spec in results)
+        assert after[counter + label] - before[counter + label] == sum(spec[field] for *_, spec in results)
     position0 = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="0"}'
-    assert after[position0] - before[position0] == sum(s["num_accepted_tokens_per_pos"][0] for _, s in results)
+    assert after[position0] - before[position0] == sum(s["num_accepted_tokens_per_pos"][0] for *_, s in results)
     ttft = 'vllm:time_to_first_token_seconds_count{model_name="demo"}'
-    assert after[ttft] - before[ttft] == 32
+    assert after[ttft] - before[ttft] == 64
+    assert after['vllm:num_requests_running{model_name="demo"}'] == 0
+
+
+def test_a_stop_string_cuts_the_text_and_ends_generation_at_once(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = full[5:8]
+    reply = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1000, "stop": [stop]}, timeout=60)
+    choice = reply.json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
+    # The stop string lies within the first 24 tokens: the request ended there, not at max_tokens.
+    assert reply.json()["usage"]["completion_tokens"] <= 24
+
+
+def demo_tokens(text: str) -> list[int]:
+    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.tokenizer import load_codec
+
+    return load_codec(Checkpoint("demo"), None, needed_for="the test").encode(text)
+
+
+def test_token_id_prompts_n_choices_usage_and_max_completion_tokens(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    ids = demo_tokens(PROMPTS[0])
+    by_text = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model="demo", prompt=[ids, ids[:4]], max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == by_text.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + 4 and batch.usage.completion_tokens == 48
+    # Seeded choices sample with seed + i, as vLLM's: choice 1 of seed 5 is choice 0 of seed 6.
+    sampled = client.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=1.0, seed=5, n=2)
+    alone = client.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=1.0, seed=6)
+    assert sampled.choices[1].text == alone.choices[0].text != sampled.choices[0].text
+    messages = [{"role": "user", "content": "def main():"}]
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_completion_tokens=7,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert all(chunk.usage is None for chunk in chunks[:-1])
 
 
 @pytest.mark.parametrize(
@@ -157,7 +219,7 @@ def test_32_concurrent_streaming_clients_match_sequential_and_metrics_add_up(ser
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
         ({"prompt": "", "max_tokens": 4}, 400, "prompt"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 17}, 400, "n"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"max_tokens": 4}, 400, "prompt"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
@@ -180,11 +242,21 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, body, st
 
 
 def test_api_key_and_a_killed_rank():
-    server = Server("--pp", "2", "--api-key", "secret", "--timeout", "10")
+    server = Server("--pp", "2", "--api-key", "secret", "--timeout", "10", "--max-num-seqs", "1", "--max-waiting", "1")
     try:
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
         headers = {"Authorization": "Bearer secret"}
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+        # A client that leaves mid-stream frees its place in the running batch.
+        body = {"prompt": "def f(x):\n", "max_tokens": 1900, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) as stream:
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)
+            assert scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] == 1
+        deadline = time.time() + 30
+        while scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] and time.time() < deadline:
+            time.sleep(0.2)
+        assert scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] == 0
         outcome = {}
 
         def long_request():
@@ -194,9 +266,20 @@ def test_api_key_and_a_killed_rank():
         thread = threading.Thread(target=long_request)
         thread.start()
         time.sleep(2)
+        # One place running (the long request), one waiting: a third request is refused, not queued.
+        waiter = threading.Thread(
+            target=httpx.post,
+            args=(f"{server.url}/v1/completions",),
+            kwargs={"json": {"prompt": "x"}, "headers": headers, "timeout": 90},
+        )
+        waiter.start()
+        time.sleep(0.5)
+        full = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert full.status_code == 429 and "full" in full.json()["error"]["message"]
         os.kill(server.rank_pids[1], signal.SIGKILL)
         thread.join(timeout=60)
-        assert not thread.is_alive()
+        waiter.join(timeout=60)
+        assert not thread.is_alive() and not waiter.is_alive()
         assert outcome["response"].status_code >= 500
         assert "rank 1" in outcome["response"].json()["error"]["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503

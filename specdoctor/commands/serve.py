@@ -16,6 +16,12 @@ from specdoctor.runtime.options import RuntimeOptions
 HostOption = Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
 PortOption = Annotated[int, typer.Option(help="Port to listen on.")]
 ApiKeyOption = Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")]
+MaxNumSeqsOption = Annotated[
+    int, typer.Option(min=1, help="Requests decoded together at most (vLLM's --max-num-seqs); the rest wait.")
+]
+MaxWaitingOption = Annotated[
+    int, typer.Option(min=0, help="Requests that may wait for a place; beyond that the server answers 429.")
+]
 AllowUnhealthyFlag = Annotated[
     bool, typer.Option("--allow-unhealthy", help="Serve even with error findings, without repairing.")
 ]
@@ -28,6 +34,8 @@ class ServeOptions:
     port: int = 8000
     api_key: str | None = None
     allow_unhealthy: bool = False
+    max_num_seqs: int = 32
+    max_waiting: int = 256
 
 
 @runtime_command(num_speculative_tokens=3)
@@ -37,9 +45,12 @@ def serve(
     port: PortOption = 8000,
     api_key: ApiKeyOption = None,
     allow_unhealthy: AllowUnhealthyFlag = False,
+    max_num_seqs: MaxNumSeqsOption = 32,
+    max_waiting: MaxWaitingOption = 256,
 ) -> None:
-    """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics."""
-    run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy))
+    """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics; requests are
+    batched continuously (they join and leave the running batch between decode steps)."""
+    run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -95,8 +106,10 @@ def run_serve(options: ServeOptions) -> None:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
         name = runtime.model if runtime.model in DEMO_MODELS else checkpoint.path.name
         speculative = runtime.num_speculative_tokens > 0
+        metrics = ServerMetrics(name, speculative)
+        template = chat_template(checkpoint.path)
         state = ServerState(
-            engine, codec, name, chat_template(checkpoint.path), options.api_key, ServerMetrics(name, speculative)
+            engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
         )
         console.print(
             f"serving {name} on http://{options.host}:{options.port} (PP {runtime.pp}, "

@@ -75,7 +75,9 @@ class Probe:
 
     def scrape(self) -> SpecMetrics | None:
         response = self.get("/metrics")
-        return prometheus.spec_counters(prometheus.parse(response.text)) if response.status_code == 200 else None
+        if response.status_code != 200:
+            return None
+        return prometheus.spec_counters(prometheus.parse(response.text, f"{self.options.url}/metrics"))
 
     def complete(self, model: str, prompt: str | list[int]) -> dict:
         """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input."""

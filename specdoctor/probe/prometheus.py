@@ -1,39 +1,22 @@
-"""A small reader for the Prometheus text exposition format, and vLLM's speculative counters in it."""
+"""vLLM's speculative counters in a Prometheus scrape, read with prometheus_client's own parser."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.metrics import SpecMetrics
 
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\d+)?$")
-LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
 SPEC_PREFIX = "vllm:spec_decode_"
 
 
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def parse(text: str) -> list[Sample]:
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = {m.group("key"): m.group("value") for m in LABEL.finditer(match.group("labels") or "")}
-        try:
-            samples.append(Sample(match.group("name"), labels, float(match.group("value"))))
-        except ValueError:
-            continue
-    return samples
+def parse(text: str, source: str = "/metrics") -> list[Sample]:
+    """Every sample of a text exposition; a scrape the parser rejects is an error naming the source."""
+    try:
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except ValueError as err:
+        raise SpecdoctorError(f"{source}: not Prometheus text exposition ({err})") from None
 
 
 def counter(samples: list[Sample], name: str, **labels: str) -> float | None:

@@ -19,10 +19,17 @@ from rich.progress import Progress
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineError
+from specdoctor.runtime.continuous import CANCEL, JOIN, RowUpdate
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.drafter.state import DrafterState
-from specdoctor.runtime.generation import GenerateRequest, GenerateResult, check_request
-from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.generation import (
+    GenerateRequest,
+    GenerateResult,
+    SequenceRequest,
+    check_request,
+    check_sequences,
+)
+from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import model_eos_token_ids
@@ -84,6 +91,7 @@ class Engine:
             for rank, (_, writer) in enumerate(pipes)
         ]
         self._closed = False
+        self.continuous_k = 0  # the speculative tokens of continuous batching, once started
         self.rank_info: list[dict] = [{} for _ in range(options.pp)]
         for process in self._processes:
             process.start()
@@ -136,6 +144,31 @@ class Engine:
         check_request(request, self.config)
         self._inbox.put(("generate", request))
         return self._wait_for("result", self.silence_limit_s, on_partial=on_tokens)[2]
+
+    def start_continuous(self, num_speculative_tokens: int | None = None) -> None:
+        """Switch the ranks to continuous batching (runtime/continuous.py) until the engine closes: requests
+        `join` and `cancel` between steps, and `next_updates` brings each step's news."""
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        check_sequences([SequenceRequest([0], 1)], k, self.config)
+        self.continuous_k = k
+        self._inbox.put(("continuous", (k, self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC)))
+
+    def join(self, request_id: str, sequence: SequenceRequest) -> None:
+        """Queue a request to join the running batch before the next step (checked here, not on the ranks)."""
+        check_sequences([sequence], self.continuous_k, self.config)
+        self._inbox.put((JOIN, (request_id, sequence)))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request from the running batch before the next step (unknown or finished ids are ignored)."""
+        self._inbox.put((CANCEL, request_id))
+
+    def next_updates(self) -> dict[str, RowUpdate]:
+        """The next step's news per request (empty: a beat while nothing changed); raises when the pipeline fails."""
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        return self._wait_for("updates", self.silence_limit_s)[2]
 
     @property
     def alive(self) -> bool:

@@ -8,6 +8,7 @@ broadcast how many tokens were accepted, so positions and KV caches stay in sync
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,9 +25,20 @@ from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import DraftSampleMethod
 from specdoctor.runtime.partition import Placement
-from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.rows import take_rows
+from specdoctor.runtime.sampling import RowSampler, SamplingParams
 from specdoctor.runtime.speculative import Drafts, commit, finish_device_work, speculative_step
 from specdoctor.runtime.verify import PLACEHOLDER
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: its prompt, its limit, how it samples, and the token ids that end it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,18 @@ class GenerateRequest:
         if isinstance(self.max_new_tokens, int):
             return [self.max_new_tokens] * len(self.prompts)
         return list(self.max_new_tokens)
+
+    def sequences(self) -> list[SequenceRequest]:
+        """One per prompt; a seeded batch gives row r the seed + r, so its rows draw different numbers."""
+        sampling = self.sampling
+
+        def seeded(row: int) -> SamplingParams:
+            return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + row)
+
+        return [
+            SequenceRequest(prompt, limit, seeded(row), self.eos_token_ids)
+            for row, (prompt, limit) in enumerate(zip(self.prompts, self.limits(), strict=True))
+        ]
 
 
 @dataclass
@@ -114,15 +138,21 @@ def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | 
 
 
 def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
-    if not request.prompts or any(len(p) == 0 for p in request.prompts):
-        raise SpecdoctorError("every prompt needs at least one token")
-    if len(request.limits()) != len(request.prompts) or min(request.limits()) < 1:
+    if len(request.limits()) != len(request.prompts):
         raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    if not 0 <= request.num_speculative_tokens <= 8:
-        raise SpecdoctorError(f"num_speculative_tokens must be in 0..8, got {request.num_speculative_tokens}")
-    if request.num_speculative_tokens and cfg.num_nextn_predict_layers == 0:
+    check_sequences(request.sequences(), request.num_speculative_tokens, cfg)
+
+
+def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig) -> None:
+    if not sequences or any(len(s.prompt) == 0 for s in sequences):
+        raise SpecdoctorError("every prompt needs at least one token")
+    if min(s.max_new_tokens for s in sequences) < 1:
+        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
+    if not 0 <= k <= 8:
+        raise SpecdoctorError(f"num_speculative_tokens must be in 0..8, got {k}")
+    if k and cfg.num_nextn_predict_layers == 0:
         raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
-    longest = max(len(p) + limit for p, limit in zip(request.prompts, request.limits(), strict=True))
+    longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
     if longest > cfg.max_position_embeddings:
         raise SpecdoctorError(
             f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
@@ -130,38 +160,34 @@ def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
 
 
 class BatchState:
-    """One batch's decoding state on one rank: its caches, the last decision and how far each row got."""
+    """One batch's decoding state on one rank: its caches, the last decision and how far each row got.
+    Rows can join (`regroup` of a running batch and a prefilled one) and leave (`regroup` with rows)."""
 
-    def __init__(self, model: RankModel, request: GenerateRequest):
-        self.model, self.request, self.k = model, request, request.num_speculative_tokens
-        self.ids, self.lengths = pad_right(request.prompts, model.device)
-        batch = len(request.prompts)
+    def __init__(self, model: RankModel, sequences: list[SequenceRequest], k: int, sampled_drafts: bool = False):
+        self.model, self.sequences, self.k = model, sequences, k
+        self.ids, self.lengths = pad_right([s.prompt for s in sequences], model.device)
+        batch = len(sequences)
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
-        max_len = int(self.lengths.max()) + max(request.limits()) + 2 * self.k
+        max_len = int(self.lengths.max()) + max(s.max_new_tokens for s in sequences) + 2 * k
         self.cache = model.cache(batch, max_len)
-        self.generator, self.drafts = None, None
+        self.sampler, self.drafts = None, None
         if model.placement.is_last:
-            self.generator = torch.Generator(device=model.device)
-            seed = request.sampling.seed
-            self.generator.manual_seed(seed if seed is not None else torch.seed())
-            if self.k:
+            self.sampler = RowSampler([s.sampling for s in sequences], model.device)
+            if k:
                 mtp_cache = model.cache(batch, max_len, drafter=True)
-                self.drafts = Drafts(model.drafter, mtp_cache, self.k, request, self.generator, model.device)
+                self.drafts = Drafts(model.drafter, mtp_cache, k, self.sampler, sampled_drafts, model.device)
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
-        self.decision = torch.empty(batch, 2 * self.k + 2, dtype=torch.long, device=model.device)
+        self.decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=model.device)
         self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
         self.active = [True] * batch
 
     def commit(self, count_metrics: bool) -> None:
-        request = self.request
-        self.active = commit(
-            self.result, self.decision, self.k, request.limits(), request.eos_token_ids, count_metrics, self.active
-        )
+        self.active = commit(self.result, self.decision, self.k, self.sequences, count_metrics, self.active)
 
     def prefill(self) -> None:
         """The prompts through every rank; the last rank picks the first token and the first drafts."""
-        model, batch = self.model, len(self.request.prompts)
+        model, batch = self.model, len(self.sequences)
         positions = torch.arange(self.ids.shape[1], device=model.device).expand(batch, -1)
         self.cache.begin(valid_end=self.lengths, keep_positions=False)
         hidden = pipeline_pass(model, self.ids, positions, self.cache)
@@ -170,7 +196,7 @@ class BatchState:
             rows, last = torch.arange(batch, device=model.device), self.lengths - 1
             final = model.stage.model.norm(hidden)  # [B, L, H]: the drafter is fed the final-normed states
             logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
-            first = speculative_step(logits, None, None, None, self.request.sampling, self.generator)  # [B, 2]
+            first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
             self.decision[:, :2] = first
             if self.drafts:
@@ -192,9 +218,7 @@ class BatchState:
         hidden = pipeline_pass(model, pending_and_drafts, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
-            self.decision = speculative_step(
-                logits, final, positions, self.drafts, self.request.sampling, self.generator
-            )
+            self.decision = speculative_step(logits, final, positions, self.drafts, self.sampler)
         model.comm.broadcast_from_last(self.decision)
         finish_device_work(model.device)
 
@@ -204,13 +228,45 @@ class BatchState:
         self.cache.commit(self.decision[:, 0], still)  # recurrent states: after the last accepted token
         self.filled = torch.where(still, self.filled + self.decision[:, 0] + 1, self.filled)
 
+    @staticmethod
+    def regroup(batches: list["BatchState"], rows: list[int] | None = None) -> "BatchState":
+        """One batch of these batches' rows, concatenated in order, then `rows` of them (None: all).
+        Only state that lives past the prompt pass is kept (the prompt ids are not)."""
+        first = batches[0]
+        joined = BatchState.__new__(BatchState)
+        joined.model, joined.k = first.model, first.k
+        sequences = [s for b in batches for s in b.sequences]
+        joined.sequences = sequences if rows is None else [sequences[r] for r in rows]
+        joined.cache = KVCache.regroup([b.cache for b in batches], rows)
+        joined.sampler = RowSampler.join([b.sampler for b in batches], rows) if first.sampler else None
+        joined.drafts = (
+            first.drafts.regroup([b.drafts for b in batches], rows, joined.sampler) if first.drafts else None
+        )
+        joined.decision = take_rows(torch.cat([b.decision for b in batches]), rows)
+        joined.filled = take_rows(torch.cat([b.filled for b in batches]), rows)
+        keep = range(len(sequences)) if rows is None else rows
+
+        def kept(values: list) -> list:
+            return [values[r] for r in keep]
+
+        joined.active = kept([a for b in batches for a in b.active])
+        joined.result = GenerateResult(
+            kept([t for b in batches for t in b.result.tokens]),
+            kept([f for b in batches for f in b.result.finish_reasons]),
+        )
+        joined.result.row_metrics = kept([m for b in batches for m in b.result.row_metrics])
+        joined.ids = joined.lengths = None
+        return joined
+
 
 @torch.no_grad()
 def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> GenerateResult:
     """Run one batch of prompts to completion; every rank returns the same result.
     `on_step(result)` sees the result as it grows, after every step (for streaming)."""
     check_request(request, model.stage.config)
-    state, times = BatchState(model, request), dict.fromkeys(STEP_PHASES, 0.0)
+    sampled_drafts = request.draft_sample_method == DraftSampleMethod.PROBABILISTIC
+    state = BatchState(model, request.sequences(), request.num_speculative_tokens, sampled_drafts)
+    times = dict.fromkeys(STEP_PHASES, 0.0)
     started = time.perf_counter()
     state.prefill()
     if on_step:

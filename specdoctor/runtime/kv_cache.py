@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdoctor.runtime.linear_state import LinearStates
+from specdoctor.runtime.rows import pad_length, take_rows
 
 
 class KVCache:
@@ -71,6 +72,24 @@ class KVCache:
         """After it: keep each row's recurrent states after position `index` (see LinearStates.commit)."""
         if self.states:
             self.states.commit(index, rows)
+
+    @staticmethod
+    def regroup(caches: list["KVCache"], rows: list[int] | None = None) -> "KVCache":
+        """One cache holding these caches' rows, concatenated in order, then `rows` of them (None: all);
+        each is padded to the longest one's length first (requests joining a running batch)."""
+        first, max_len = caches[0], max(cache.max_len for cache in caches)
+        joined = KVCache.__new__(KVCache)
+        joined.max_len, joined._step = max_len, None
+        joined.entries = {
+            layer: [
+                take_rows(torch.cat([pad_length(c.entries[layer][n], max_len) for c in caches]), rows)
+                for n in range(len(buffers))
+            ]
+            for layer, buffers in first.entries.items()
+        }
+        joined.states = LinearStates.regroup([c.states for c in caches], rows) if first.states else None
+        joined.batch = len(rows) if rows is not None else sum(cache.batch for cache in caches)
+        return joined
 
 
 def new_cache(

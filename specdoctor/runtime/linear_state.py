@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from specdoctor.runtime.rows import take_rows
+
 
 class LinearStates:
     """Per linear-attention layer: each row's causal-conv window [B, C, K-1] (the last K-1 inputs) and its
@@ -57,3 +59,13 @@ class LinearStates:
             chosen = states[batch, at] if states.shape[1] > 1 else states[:, 0]
             self.recurrent[layer_id] = torch.where(keep[..., None], chosen, self.recurrent[layer_id])
         self.pending.clear()
+
+    @staticmethod
+    def regroup(sources: list["LinearStates"], rows: list[int] | None) -> "LinearStates":
+        """These states' rows, concatenated in order, then `rows` of them (None: all)."""
+        first = sources[0]
+        joined = LinearStates.__new__(LinearStates)
+        joined.rollback, joined.valid_end, joined.keep_positions, joined.pending = first.rollback, None, False, {}
+        joined.conv = {i: take_rows(torch.cat([s.conv[i] for s in sources]), rows) for i in first.conv}
+        joined.recurrent = {i: take_rows(torch.cat([s.recurrent[i] for s in sources]), rows) for i in first.recurrent}
+        return joined

@@ -49,3 +49,36 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs ([N, V] -> [N])."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class RowSampler:
+    """Each row's sampling parameters and its own generator: a seeded row draws the same numbers, in the
+    same order, whatever else shares its batch (so it reproduces its output when run alone)."""
+
+    def __init__(self, params: list[SamplingParams], device: torch.device, generators=None):
+        self.params = params
+        self.generators = (
+            generators if generators is not None else [None if p.greedy else _seeded(p.seed, device) for p in params]
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def sampled_rows(self) -> list[int]:
+        return [row for row, p in enumerate(self.params) if not p.greedy]
+
+    @staticmethod
+    def join(samplers: list["RowSampler"], rows: list[int] | None = None) -> "RowSampler":
+        """The rows of these samplers, concatenated in order, then `rows` of them (None: all)."""
+        params = [p for sampler in samplers for p in sampler.params]
+        generators = [g for sampler in samplers for g in sampler.generators]
+        rows = range(len(params)) if rows is None else rows
+        return RowSampler([params[r] for r in rows], None, [generators[r] for r in rows])
+
+
+def _seeded(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator

@@ -15,7 +15,8 @@ import time
 import torch
 
 from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.sampling import SamplingParams, probabilities, sample
+from specdoctor.runtime.rows import take_rows
+from specdoctor.runtime.sampling import RowSampler, probabilities, sample
 from specdoctor.runtime.verify import verify_greedy, verify_random
 
 
@@ -26,11 +27,11 @@ def finish_device_work(device: torch.device) -> None:
 
 
 class Drafts:
-    """The last rank's proposals: tokens [B, k] and, when sampling, their distributions q [B, k, V]."""
+    """The last rank's proposals: tokens [B, k] and, when a row samples, their distributions q [B, k, V]."""
 
-    def __init__(self, drafter, cache: KVCache, k: int, request, generator, device):
-        self.drafter, self.cache, self.k, self.generator = drafter, cache, k, generator
-        self.sampling, self.sampled_drafts = request.sampling, request.draft_sample_method == "probabilistic"
+    def __init__(self, drafter, cache: KVCache, k: int, sampler: RowSampler, sampled_drafts: bool, device):
+        self.drafter, self.cache, self.k = drafter, cache, k
+        self.sampler, self.sampled_drafts = sampler, sampled_drafts
         self.tokens = torch.zeros(cache.batch, 0, dtype=torch.long, device=device)
         self.probs: torch.Tensor | None = None
         self.seconds = 0.0  # time spent proposing, for the step profile
@@ -58,21 +59,51 @@ class Drafts:
                 out, step_logits = self.drafter(token[:, None], out, position, cache=self.cache)
                 logits = step_logits[:, 0]
         self.tokens = torch.stack(tokens, dim=1)
-        self.probs = None if self.sampling.greedy else torch.stack(probs, dim=1)
+        self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
         self.seconds += time.perf_counter() - start
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
-        """A draft token [B] and, when the request samples, the q [B, V] it is verified against."""
-        if self.sampling.greedy:
-            return logits.argmax(-1), None
-        if not self.sampled_drafts:
-            # vLLM's default: the drafter's argmax, verified as if q were one-hot on it (accepted when
-            # u <= p(x); on rejection the recovered token comes from p with x removed).
-            token = logits.argmax(-1)
-            return token, torch.nn.functional.one_hot(token, logits.shape[-1]).to(torch.float32)
-        q = probabilities(logits, self.sampling)
-        return sample(q, self.generator), q
+        """A draft token [B] and, when a row samples, the q [B, V] it is verified against (unused for greedy rows)."""
+        tokens = logits.argmax(-1)
+        if self.sampler.all_greedy:
+            return tokens, None
+        # vLLM's default: the drafter's argmax, verified as if q were one-hot on it (accepted when
+        # u <= p(x); on rejection the recovered token comes from p with x removed).
+        q = torch.nn.functional.one_hot(tokens, logits.shape[-1]).to(torch.float32)
+        if self.sampled_drafts:
+            for row in self.sampler.sampled_rows:
+                q[row] = probabilities(logits[row], self.sampler.params[row])
+                tokens[row] = sample(q[row : row + 1], self.sampler.generators[row])[0]
+        return tokens, q
+
+    def regroup(self, sources: list["Drafts"], rows: list[int] | None, sampler: RowSampler) -> "Drafts":
+        """A Drafts over these sources' rows, concatenated in order, then `rows` of them (None: all),
+        with the batch's regrouped sampler."""
+        cache = KVCache.regroup([d.cache for d in sources], rows)
+        joined = Drafts(self.drafter, cache, self.k, sampler, self.sampled_drafts, self.tokens.device)
+        joined.tokens = take_rows(torch.cat([d.tokens for d in sources]), rows)
+        if any(d.probs is not None for d in sources):
+            vocab = next(d.probs.shape[-1] for d in sources if d.probs is not None)
+            probs = [d.probs if d.probs is not None else d.tokens.new_zeros(*d.tokens.shape, vocab) for d in sources]
+            joined.probs = take_rows(torch.cat([p.float() for p in probs]), rows)
+        joined.seconds = sum(d.seconds for d in sources)
+        return joined
+
+
+def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, drafts: "Drafts | None", sampler: RowSampler):
+    """(accepted [B], emitted [B, k+1]): greedy rows by argmax, each sampled row by rejection sampling with
+    its own parameters and generator."""
+    accepted, emitted = verify_greedy(draft_tokens, target_logits)
+    for row in sampler.sampled_rows:
+        one = slice(row, row + 1)
+        generator = sampler.generators[row]
+        p = probabilities(target_logits[one], sampler.params[row])  # [1, k+1, V]
+        q = drafts.probs[one] if drafts else p[:, :0]  # [1, k, V]
+        uniform = torch.rand(draft_tokens[one].shape, generator=generator, device=target_logits.device)
+        row_accepted, row_emitted = verify_random(draft_tokens[one], q, p, uniform, generator)
+        accepted[one], emitted[one] = row_accepted, row_emitted
+    return accepted, emitted
 
 
 def speculative_step(
@@ -80,21 +111,14 @@ def speculative_step(
     hidden: torch.Tensor,  # [B, k+1, H] the target's final-normed hidden states at the same positions
     positions: torch.Tensor,  # [B, k+1]
     drafts: Drafts | None,  # None for plain decoding (k = 0)
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
+    sampler: RowSampler,
 ) -> torch.Tensor:
     """The last rank's step. Returns the decision every rank commits, [B, 2k+2]: accepted count n,
     the emitted tokens (n accepted drafts, then one recovered or bonus token; padded), the next k drafts."""
     batch = target_logits.shape[0]
     draft_tokens = drafts.tokens if drafts else target_logits.new_zeros(batch, 0, dtype=torch.long)  # [B, k]
     # Verify: accept the longest passing prefix, then one recovered or bonus token from p.
-    if sampling.greedy:
-        accepted, emitted = verify_greedy(draft_tokens, target_logits)  # [B], [B, k+1]
-    else:
-        p = probabilities(target_logits, sampling)  # [B, k+1, V]
-        q = drafts.probs if drafts else p[:, :0]  # [B, k, V]
-        uniform = torch.rand(draft_tokens.shape, generator=generator, device=target_logits.device)
-        accepted, emitted = verify_random(draft_tokens, q, p, uniform, generator)
+    accepted, emitted = verify(draft_tokens, target_logits, drafts, sampler)
     # Propose the next drafts: the MTP input at position L+j is token L+j+1, i.e. the accepted drafts,
     # then the newly emitted token at index n; the chain continues from the last accepted position.
     if drafts:
@@ -104,9 +128,9 @@ def speculative_step(
     return torch.cat([accepted[:, None], emitted, drafts.tokens if drafts else draft_tokens], dim=1)
 
 
-def commit(result, decision: torch.Tensor, k: int, limits: list[int], eos_ids, count_metrics: bool, active=None):
-    """Append each active sequence's emitted tokens, stopping at EOS or its limit; returns which rows
-    go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)] (see above)."""
+def commit(result, decision: torch.Tensor, k: int, sequences, count_metrics: bool, active=None):
+    """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
+    returns which rows go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)]."""
     active = active or [True] * len(result.tokens)
     still = []
     for row, (n, *rest) in enumerate(decision.tolist()):
@@ -116,12 +140,13 @@ def commit(result, decision: torch.Tensor, k: int, limits: list[int], eos_ids, c
         if count_metrics and k:
             result.metrics.record(n, k)
             result.row_metrics[row].record(n, k)
+        sequence = sequences[row]
         for token in rest[: n + 1]:
-            if token in eos_ids:
+            if token in sequence.stop_token_ids:
                 result.finish_reasons[row] = "stop"
                 break
             result.tokens[row].append(token)
-            if len(result.tokens[row]) >= limits[row]:
+            if len(result.tokens[row]) >= sequence.max_new_tokens:
                 result.finish_reasons[row] = "length"
                 break
         still.append(not result.finish_reasons[row])

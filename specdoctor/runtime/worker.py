@@ -15,6 +15,7 @@ import torch
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
+from specdoctor.runtime.continuous import run_continuous
 from specdoctor.runtime.drafter.loading import Provenance, build_drafter
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.state import measure_drafter
@@ -76,11 +77,21 @@ class StepReporter:
             self.last_beat = time.monotonic()
 
 
-def serve(model: RankModel, next_command: Callable[[], tuple] | None, reply: Callable[[str, object], None]) -> None:
-    """Run broadcast commands until 'shutdown'. Only the first rank has `next_command`."""
+def serve(
+    model: RankModel,
+    next_command: Callable[[], tuple] | None,
+    reply: Callable[[str, object], None],
+    poll: Callable[[bool], list[tuple]] | None = None,
+) -> None:
+    """Run broadcast commands until 'shutdown'. Only the first rank has `next_command` and, for continuous
+    batching, `poll` (see runtime/continuous.py)."""
     while True:
         kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
         if kind == "shutdown":
+            return
+        if kind == "continuous":  # serves until shutdown
+            report = (lambda news: reply("updates", news)) if model.placement.is_last else None
+            run_continuous(model, *payload, poll, report)
             return
         if kind == "generate":
             first = model.placement.is_first
@@ -116,19 +127,30 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies) -> 
     model = None
     parent = os.getppid()
 
-    def next_command() -> tuple:
+    def next_command(timeout: float = min(options.timeout / 4, 2.0)) -> tuple:
         # Idle ranks wait inside a collective; a heartbeat keeps them under its timeout and
         # notices a dead peer even when no request is in flight.
         try:
-            return inbox.get(timeout=min(options.timeout / 4, 2.0))
+            return inbox.get(timeout=timeout)
         except queue.Empty:
             # A controller killed without closing the engine leaves no one to send "shutdown".
             return ("shutdown", None) if os.getppid() != parent else ("noop", None)
 
+    def poll(idle: bool) -> list[tuple]:
+        """What the controller queued since the last step; an idle batch waits (briefly) for something."""
+        messages = [next_command(0.5)] if idle else []
+        while True:
+            try:
+                messages.append(inbox.get_nowait())
+            except queue.Empty:
+                return [message for message in messages if message[0] != "noop"]
+
     try:
         model, info = load_rank(options, rank)
         replies.send(("ready", rank, info))
-        serve(model, next_command if rank == 0 else None, lambda kind, payload: replies.send((kind, rank, payload)))
+        first = rank == 0
+        reply = lambda kind, payload: replies.send((kind, rank, payload))  # noqa: E731
+        serve(model, next_command if first else None, reply, poll if first else None)
     except PipelineError as err:  # a peer failed or hung: the peer's own report names the cause
         replies.send(("peer_error", rank, str(err)))
         raise SystemExit(1) from None

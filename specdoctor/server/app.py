@@ -9,17 +9,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.generation import SequenceRequest
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import TextCodec
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, SamplingFields, render_chat
-from specdoctor.server.scheduler import BatchScheduler, Job
+from specdoctor.server.scheduler import ContinuousScheduler, Job
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -32,6 +33,8 @@ class ServerState:
     chat_template: str
     api_key: str | None
     metrics: ServerMetrics
+    max_num_seqs: int = 32  # requests in the running batch at most
+    max_waiting: int = 256  # requests queued for a place at most
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -41,7 +44,7 @@ def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    scheduler = BatchScheduler(state.engine, state.metrics)
+    scheduler = ContinuousScheduler(state.engine, state.metrics, state.max_num_seqs, state.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -55,13 +58,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_error_handlers(app)
 
-    @app.middleware("http")
-    async def authorise(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                error = RequestError("invalid or missing API key", status=401, kind="authentication_error")
-                return JSONResponse(error.body(), 401)
-        return await call_next(request)
+    # A dependency, not an HTTP middleware: Starlette's middleware wrapper reports a disconnect to a
+    # streaming response, which would cancel its request.
+    async def authorise(request: Request) -> None:
+        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            raise RequestError("invalid or missing API key", status=401, kind="authentication_error")
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(authorise)])
 
     @app.get("/health")
     async def health():
@@ -71,33 +74,37 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        state.metrics.set_queue(len(scheduler.running), len(scheduler.waiting))
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @api.get("/models")
     async def models():
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "specdoctor"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @api.post("/completions")
     async def completions(body: CompletionRequest):
-        return await respond(body, body.text(), chat=False, default_max_tokens=DEFAULT_MAX_TOKENS)
+        return await respond(body, body.prompts(), chat=False, default_max_tokens=DEFAULT_MAX_TOKENS)
 
-    @app.post("/v1/chat/completions")
+    @api.post("/chat/completions")
     async def chat_completions(body: ChatRequest):
-        return await respond(body, render_chat(state.chat_template, body.messages), chat=True, default_max_tokens=None)
+        prompt = render_chat(state.chat_template, body.messages)
+        return await respond(body, [prompt], chat=True, default_max_tokens=None)
 
-    async def respond(body: SamplingFields, prompt: str, chat: bool, default_max_tokens: int | None):
-        job = make_job(state, body, prompt, default_max_tokens)
-        reply = Reply(state, body, job, chat)
+    async def respond(body: SamplingFields, prompts: list, chat: bool, default_max_tokens: int | None):
+        reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens), chat)
+        scheduler.enqueue(reply.jobs)  # before the response starts, so a full queue is still a 429
         if body.stream:
             return StreamingResponse(reply.events(scheduler), media_type="text/event-stream")
         return await reply.whole(scheduler)
 
+    app.include_router(api)
     return app
 
 
-def make_job(state: ServerState, body: SamplingFields, prompt: str, default_max_tokens: int | None) -> Job:
-    """Validate a request into a job; None as the default means: up to the context."""
+def make_jobs(state: ServerState, body: SamplingFields, prompts: list, default_max_tokens: int | None) -> list[Job]:
+    """Validate a request into its jobs, n per prompt (choice index = prompt index * n + i); None as the
+    default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's."""
     if body.model not in (None, state.model_name):
         raise RequestError(
             f"model {body.model!r} is not served here (serving {state.model_name!r})",
@@ -105,22 +112,34 @@ def make_job(state: ServerState, body: SamplingFields, prompt: str, default_max_
             404,
             "not_found_error",
         )
-    if body.n != 1:
-        raise RequestError("only n = 1 is supported", "n")
     if not state.engine.alive:
         raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
-    ids = state.codec.encode(prompt) if prompt else []
+    stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
+    jobs = []
+    for prompt in prompts:
+        ids = prompt_ids(state, prompt)
+        context = state.engine.config.max_position_embeddings
+        max_tokens = body.token_limit or min(default_max_tokens or context, context - len(ids))
+        if len(ids) + max_tokens > context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
+                "max_tokens",
+            )
+        for choice in range(body.n):
+            seed = None if body.seed is None else body.seed + choice
+            sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), seed)
+            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids)))
+    return jobs
+
+
+def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    ids = state.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise RequestError("the prompt is empty", "prompt")
-    context = state.engine.config.max_position_embeddings
-    max_tokens = body.max_tokens or min(default_max_tokens or context, context - len(ids))
-    if len(ids) + max_tokens > context:
-        raise RequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
-            "max_tokens",
-        )
-    sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), body.seed)
-    return Job(ids, max_tokens, sampling)
+    vocab = state.engine.config.vocab_size
+    if any(not 0 <= token < vocab for token in ids):
+        raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return ids
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -141,88 +160,113 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 class Reply:
-    """One request's answer: whole, or streamed as server-sent events."""
+    """One request's answer, a choice per job: whole, or streamed as server-sent events."""
 
-    def __init__(self, state: ServerState, body: SamplingFields, job: Job, chat: bool):
-        self.state, self.body, self.job, self.chat = state, body, job, chat
+    def __init__(self, state: ServerState, body: SamplingFields, jobs: list[Job], chat: bool):
+        self.state, self.body, self.jobs, self.chat = state, body, jobs, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
+        for job in jobs:
+            job.should_stop = self.stopped if self.stops else None
 
-    def finish(self, tokens: list[int], reason: str, spec: SpecMetrics) -> tuple[str, str, dict]:
+    def stopped(self, tokens: list[int]) -> bool:
+        return apply_stop(self.state.codec.decode(tokens), self.stops)[1]
+
+    def finish(self, job: Job, tokens: list[int], reason: str, spec: SpecMetrics) -> tuple[str, str]:
         text, stopped = apply_stop(self.state.codec.decode(tokens), self.stops)
-        usage = {
-            "prompt_tokens": len(self.job.prompt_ids),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(self.job.prompt_ids) + len(tokens),
-        }
         reason = "stop" if stopped else reason
-        self.state.metrics.record_request(reason, len(self.job.prompt_ids), len(tokens), spec)
-        return text, reason, usage
+        self.state.metrics.record_request(reason, len(job.sequence.prompt), len(tokens), spec)
+        return text, reason
 
-    def choice(self, text: str, reason: str | None, delta: bool) -> dict:
+    def usage(self, outcomes: list[tuple[list[int], str, SpecMetrics]]) -> dict:
+        """Each prompt counted once (n choices share it), every choice's tokens counted."""
+        prompt_tokens = sum(len(job.sequence.prompt) for job in self.jobs[:: self.body.n])
+        completion_tokens = sum(len(tokens) for tokens, _, _ in outcomes)
+        total = prompt_tokens + completion_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+    def choice(self, index: int, text: str, reason: str | None, delta: bool) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         key = "delta" if delta else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": reason}
 
-    def envelope(self, choice: dict, chunk: bool) -> dict:
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {
             "id": self.id,
             "object": kind,
             "created": self.created,
             "model": self.state.model_name,
-            "choices": [choice],
+            "choices": choices,
         }
 
-    async def whole(self, scheduler: BatchScheduler):
+    async def whole(self, scheduler: ContinuousScheduler):
         try:
-            tokens, reason, spec = await scheduler.submit(self.job)
+            outcomes = await asyncio.gather(*(scheduler.result(job) for job in self.jobs))
         except Exception as err:
-            self.state.metrics.record_request("error", len(self.job.prompt_ids), 0, None)
+            self.record_failure()
             raise RequestError(f"generation failed: {err}", status=500, kind="server_error") from None
-        text, reason, usage = self.finish(tokens, reason, spec)
-        return {
-            **self.envelope(self.choice(text, reason, delta=False), chunk=False),
-            "usage": usage,
-            **self.spec_fields(spec),
-        }
+        choices = []
+        for index, (job, (tokens, reason, spec)) in enumerate(zip(self.jobs, outcomes, strict=True)):
+            text, reason = self.finish(job, tokens, reason, spec)
+            choices.append(self.choice(index, text, reason, delta=False))
+        spec = combined([spec for _, _, spec in outcomes])
+        return {**self.envelope(choices, chunk=False), "usage": self.usage(outcomes), **self.spec_fields(spec)}
 
-    async def events(self, scheduler: BatchScheduler):
-        updates: asyncio.Queue[list[int]] = asyncio.Queue()
-        self.job.on_tokens = updates.put_nowait
-        generation = asyncio.create_task(scheduler.submit(self.job))
+    def record_failure(self) -> None:
+        for job in self.jobs:
+            self.state.metrics.record_request("error", len(job.sequence.prompt), 0, None)
+
+    async def events(self, scheduler: ContinuousScheduler):
+        updates: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+        for index, job in enumerate(self.jobs):
+            job.on_tokens = lambda tokens, index=index: updates.put_nowait((index, tokens))
+        generation = asyncio.gather(*(scheduler.result(job) for job in self.jobs))
         hold = max((len(s) for s in self.stops), default=1) - 1  # text that may still become a stop string
-        sent = ""
-        while not generation.done():
-            update = asyncio.create_task(updates.get())
-            await asyncio.wait({update, generation}, return_when=asyncio.FIRST_COMPLETED)
-            if not update.done():
-                update.cancel()
-                break
-            text, stopped = apply_stop(self.state.codec.decode(update.result()), self.stops)
-            ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
-            if len(ready) > len(sent) and ready.startswith(sent):
-                yield self.sse(self.envelope(self.choice(ready[len(sent) :], None, delta=True), chunk=True))
-                sent = ready
+        sent = [""] * len(self.jobs)
         try:
-            tokens, reason, spec = await generation
+            while not generation.done():
+                update = asyncio.create_task(updates.get())
+                await asyncio.wait({update, generation}, return_when=asyncio.FIRST_COMPLETED)
+                if not update.done():
+                    update.cancel()
+                    break
+                index, tokens = update.result()
+                text, stopped = apply_stop(self.state.codec.decode(tokens), self.stops)
+                ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
+                if len(ready) > len(sent[index]) and ready.startswith(sent[index]):
+                    yield self.sse(self.envelope([self.choice(index, ready[len(sent[index]) :], None, True)], True))
+                    sent[index] = ready
+            outcomes = await generation
+        except asyncio.CancelledError:  # the client went away: its requests leave the batch
+            generation.cancel()
+            raise
         except Exception as err:
-            self.state.metrics.record_request("error", len(self.job.prompt_ids), 0, None)
+            self.record_failure()
             yield self.sse(RequestError(f"generation failed: {err}", status=500, kind="server_error").body())
             return
-        text, reason, usage = self.finish(tokens, reason, spec)
-        if len(text) > len(sent) and text.startswith(sent):
-            yield self.sse(self.envelope(self.choice(text[len(sent) :], None, delta=True), chunk=True))
-        final = self.envelope(self.choice("", reason, delta=True), chunk=True)
-        yield self.sse({**final, "usage": usage, **self.spec_fields(spec)})
+        for index, (job, (tokens, reason, spec)) in enumerate(zip(self.jobs, outcomes, strict=True)):
+            text, reason = self.finish(job, tokens, reason, spec)
+            rest = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
+            final = self.envelope([self.choice(index, rest, reason, delta=True)], chunk=True)
+            yield self.sse({**final, **self.spec_fields(spec)})
+        if self.body.include_usage:  # OpenAI's last chunk: no choices, the whole request's usage
+            yield self.sse({**self.envelope([], chunk=True), "usage": self.usage(outcomes)})
         yield "data: [DONE]\n\n"
 
     def spec_fields(self, spec: SpecMetrics) -> dict:
-        """This request's speculative counters, when speculative decoding is on."""
+        """The speculative counters, when speculative decoding is on."""
         return {"spec_decode": spec.to_dict()} if self.state.metrics.speculative else {}
 
     @staticmethod
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
+
+
+def combined(metrics: list[SpecMetrics]) -> SpecMetrics:
+    total = SpecMetrics()
+    for one in metrics:
+        total.add(one)
+    return total

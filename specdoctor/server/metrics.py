@@ -1,79 +1,78 @@
-"""Prometheus text exposition: vLLM's speculative-decoding counters, request and token counters,
-and a time-to-first-token histogram."""
+"""/metrics, written with prometheus_client as vLLM does: its speculative-decoding counters, request and
+token counters, the running and waiting request gauges, and a time-to-first-token histogram."""
 
 from __future__ import annotations
 
 import threading
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
 from specdoctor.runtime.metrics import SpecMetrics
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+disable_created_metrics()  # vLLM's scrape has no `_created` samples either
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, speculative: bool):
         self.model_name, self.speculative = model_name, speculative
-        self.spec = SpecMetrics()
-        self.requests: dict[str, int] = {}  # finish reason / error -> count
-        self.prompt_tokens = self.generation_tokens = 0
-        self.ttft_counts = [0] * len(TTFT_BUCKETS)
-        self.ttft_sum, self.ttft_count = 0.0, 0
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+
+        def counter(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, help_text, label + list(extra), registry=self.registry)
+
+        if speculative:
+            self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            self.accepted_per_pos = counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ("position",)
+            )
+        self.requests = counter("vllm:request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", label, registry=self.registry
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for a place.", label, registry=self.registry
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
 
     def record_request(self, outcome: str, prompt_tokens: int, generation_tokens: int, spec: SpecMetrics | None):
+        name = self.model_name
         with self._lock:
-            self.requests[outcome] = self.requests.get(outcome, 0) + 1
-            self.prompt_tokens += prompt_tokens
-            self.generation_tokens += generation_tokens
-            if spec is not None:
-                self.spec.add(spec)
+            self.requests.labels(name, outcome).inc()
+            self.prompt_tokens.labels(name).inc(prompt_tokens)
+            self.generation_tokens.labels(name).inc(generation_tokens)
+            if spec is None or not self.speculative:
+                return
+            self.drafts.labels(name).inc(spec.num_drafts)
+            self.draft_tokens.labels(name).inc(spec.num_draft_tokens)
+            self.accepted.labels(name).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                self.accepted_per_pos.labels(name, str(position)).inc(count)
 
     def record_ttft(self, seconds: float) -> None:
-        with self._lock:
-            self.ttft_sum += seconds
-            self.ttft_count += 1
-            for index, bound in enumerate(TTFT_BUCKETS):
-                if seconds <= bound:
-                    self.ttft_counts[index] += 1
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
 
     def render(self) -> str:
-        label = f'model_name="{self.model_name}"'
-        lines: list[str] = []
-
-        def counter(name: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} counter")
-            lines.extend(f"{name}_total{{{labels}}} {value}" for labels, value in samples)
-
-        with self._lock:
-            if self.speculative:
-                spec = self.spec
-                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(label, spec.num_drafts)])
-                counter(
-                    "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(label, spec.num_draft_tokens)]
-                )
-                counter(
-                    "vllm:spec_decode_num_accepted_tokens",
-                    "Number of accepted tokens.",
-                    [(label, spec.num_accepted_tokens)],
-                )
-                counter(
-                    "vllm:spec_decode_num_accepted_tokens_per_pos",
-                    "Accepted tokens per draft position.",
-                    [(f'{label},position="{i}"', n) for i, n in enumerate(spec.num_accepted_tokens_per_pos)],
-                )
-            counter(
-                "vllm:request_success",
-                "Finished requests by finish reason.",
-                [(f'{label},finished_reason="{reason}"', n) for reason, n in sorted(self.requests.items())],
-            )
-            counter("vllm:prompt_tokens", "Prefill tokens processed.", [(label, self.prompt_tokens)])
-            counter("vllm:generation_tokens", "Generation tokens produced.", [(label, self.generation_tokens)])
-            name = "vllm:time_to_first_token_seconds"
-            lines += [f"# HELP {name} Time to first token.", f"# TYPE {name} histogram"]
-            for bound, count in zip(TTFT_BUCKETS, self.ttft_counts, strict=True):
-                lines.append(f'{name}_bucket{{{label},le="{bound}"}} {count}')
-            lines.append(f'{name}_bucket{{{label},le="+Inf"}} {self.ttft_count}')
-            lines.append(f"{name}_sum{{{label}}} {self.ttft_sum}")
-            lines.append(f"{name}_count{{{label}}} {self.ttft_count}")
-        return "\n".join(lines) + "\n"
+        if self.speculative:  # vLLM shows the counters at 0 before the first request
+            for series in (self.drafts, self.draft_tokens, self.accepted):
+                series.labels(self.model_name)
+        for series in (self.prompt_tokens, self.generation_tokens):
+            series.labels(self.model_name)
+        return generate_latest(self.registry).decode()

@@ -12,33 +12,55 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
+MAX_CHOICES = 16  # n per request
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI's API does
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI's newer name; wins when both
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: these ids end the request too
+    ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's end-of-sequence ids
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictStr]
+    # Text, token ids, or a list of either: one choice (n of them) per prompt, as OpenAI's schema has it.
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
-    def text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise RequestError("only one prompt per request is supported", "prompt")
-            return self.prompt[0]
-        return self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(item, int) for item in self.prompt):
+            return [self.prompt]
+        if not self.prompt:
+            raise RequestError("the prompt list is empty", "prompt")
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):

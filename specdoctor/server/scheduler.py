@@ -1,92 +1,134 @@
-"""Queues requests and runs them through the engine in batches, one batch at a time.
+"""Continuous batching for the server: requests join the engine's running batch between steps and leave
+it as soon as they finish (their limit, a stop token id, a stop string, or a client that went away).
 
-Greedy requests with the same k share a batch (their outputs do not depend on each other);
-sampled requests run alone, so a seed reproduces the same text whatever else is in flight.
+The engine's ranks do the batching (runtime/continuous.py); this side keeps at most `max_running`
+requests in the engine, queues up to `max_waiting` more, and refuses the rest with a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdoctor.runtime.continuous import RowUpdate
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.generation import SequenceRequest
+from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.server.metrics import ServerMetrics
+from specdoctor.server.protocol import RequestError
 
 
 @dataclass
 class Job:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
+    sequence: SequenceRequest
     on_tokens: Callable[[list[int]], None] | None = None  # runs on the event loop with the tokens so far
+    should_stop: Callable[[list[int]], bool] | None = None  # a stop string appeared: end the request now
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived: float = field(default_factory=time.perf_counter)
-    first_token_seen: bool = False
+    tokens: list[int] = field(default_factory=list)
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
     future: asyncio.Future | None = None
 
 
-class BatchScheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_batch: int = 32):
-        self.engine, self.metrics, self.max_batch = engine, metrics, max_batch
+class ContinuousScheduler:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_running: int = 32, max_waiting: int = 256):
+        self.engine, self.metrics = engine, metrics
+        self.max_running, self.max_waiting = max_running, max_waiting
         self.waiting: deque[Job] = deque()
-        self.wakeup = asyncio.Event()
+        self.running: dict[str, Job] = {}
+        self.failure: Exception | None = None
 
-    async def submit(self, job: Job):
-        """(tokens, finish reason, the request's speculative counters) once the job's batch is done."""
-        job.future = asyncio.get_running_loop().create_future()
-        self.waiting.append(job)
-        self.wakeup.set()
-        return await job.future
+    def enqueue(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs, all or none: a full queue is a 429, a failed pipeline its error."""
+        if self.failure:
+            raise RequestError(f"the pipeline is down: {self.failure}", status=503, kind="server_error")
+        if len(self.waiting) + len(jobs) > self.max_waiting:
+            raise RequestError(
+                f"the server is full: {len(self.running)} requests running and {len(self.waiting)} waiting",
+                status=429,
+                kind="rate_limit_error",
+            )
+        loop = asyncio.get_running_loop()
+        for job in jobs:
+            job.future = loop.create_future()
+            self.waiting.append(job)
+        self._admit()
 
-    def _next_batch(self) -> list[Job]:
-        first = self.waiting.popleft()
-        if not first.sampling.greedy:
-            return [first]
-        batch, others = [first], deque()
-        while self.waiting and len(batch) < self.max_batch:
-            job = self.waiting.popleft()
-            (batch if job.sampling.greedy else others).append(job)
-        self.waiting.extendleft(reversed(others))
-        return batch
+    async def result(self, job: Job) -> tuple[list[int], str, SpecMetrics]:
+        """(tokens, finish reason, the request's speculative counters) once the job is done."""
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:  # the client went away: free its place at once
+            self.cancel(job)
+            raise
+
+    def cancel(self, job: Job) -> None:
+        if job.id in self.running:
+            del self.running[job.id]
+            self.engine.cancel(job.id)
+            self._admit()
+        elif job in self.waiting:
+            self.waiting.remove(job)
 
     async def run(self) -> None:
+        """Start the engine's continuous batching and deliver its news until the engine closes or fails."""
         loop = asyncio.get_running_loop()
-        while True:
-            await self.wakeup.wait()
-            self.wakeup.clear()
-            while self.waiting:
-                batch = self._next_batch()
+        self.engine.start_continuous()
+        stopped = threading.Event()
 
-                def on_tokens(token_lists: list[list[int]], batch=batch) -> None:  # engine thread
-                    loop.call_soon_threadsafe(self._deliver, batch, [list(t) for t in token_lists])
+        def listen() -> None:  # a thread: the engine's replies block
+            try:
+                while not stopped.is_set():
+                    news = self.engine.next_updates()
+                    if news:
+                        loop.call_soon_threadsafe(self._deliver, news)
+            except Exception as err:  # a dead rank: every request in flight fails, none hangs
+                if not stopped.is_set():
+                    loop.call_soon_threadsafe(self._fail, err)
 
-                try:
-                    result = await asyncio.to_thread(
-                        self.engine.generate,
-                        [job.prompt_ids for job in batch],
-                        [job.max_tokens for job in batch],
-                        batch[0].sampling,
-                        None,
-                        on_tokens,
-                    )
-                except Exception as err:  # a dead rank: every request of the batch fails, none hangs
-                    for job in batch:
-                        if not job.future.done():
-                            job.future.set_exception(err)
-                    continue
-                for index, job in enumerate(batch):
-                    if not job.future.done():
-                        job.future.set_result(
-                            (result.tokens[index], result.finish_reasons[index], result.row_metrics[index])
-                        )
+        listener = threading.Thread(target=listen, name="specdoctor-updates", daemon=True)
+        listener.start()
+        try:
+            await asyncio.Event().wait()  # until the server shuts down and cancels this task
+        finally:
+            stopped.set()
 
-    def _deliver(self, batch: list[Job], token_lists: list[list[int]]) -> None:
-        for job, tokens in zip(batch, token_lists, strict=True):
-            if tokens and not job.first_token_seen:
-                job.first_token_seen = True
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running and not self.failure:
+            job = self.waiting.popleft()
+            self.running[job.id] = job
+            self.engine.join(job.id, job.sequence)
+
+    def _deliver(self, news: dict[str, RowUpdate]) -> None:
+        for request_id, update in news.items():
+            job = self.running.get(request_id)
+            if job is None:  # cancelled after this step began
+                continue
+            if update.new_tokens and not job.tokens:
                 self.metrics.record_ttft(time.perf_counter() - job.arrived)
-            if job.on_tokens:
-                job.on_tokens(tokens)
+            job.tokens += update.new_tokens
+            job.metrics = update.metrics
+            reason = update.finish_reason
+            if reason is None and job.should_stop and job.should_stop(job.tokens):
+                reason = "stop"
+                self.engine.cancel(request_id)
+            if job.on_tokens and update.new_tokens:
+                job.on_tokens(list(job.tokens))
+            if reason is not None:
+                del self.running[request_id]
+                if not job.future.done():
+                    job.future.set_result((job.tokens, reason, job.metrics))
+        self._admit()
+
+    def _fail(self, err: Exception) -> None:
+        self.failure = err
+        for job in [*self.running.values(), *self.waiting]:
+            if not job.future.done():
+                job.future.set_exception(err)
+        self.running.clear()
+        self.waiting.clear()

@@ -1,0 +1,116 @@
+"""Continuous batching (iteration-level scheduling), run by every rank in lockstep.
+
+Between two decode steps the first rank takes what the controller queued (requests to join,
+requests to cancel) and broadcasts it; every rank then runs the joiners' prompt pass on their own,
+appends their rows to the running batch, and drops the rows that finished or were cancelled. Rows
+are independent (positions, caches, recurrent states and generators are per row), so a request's
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdoctor.runtime.generation import BatchState, RankModel, SequenceRequest
+from specdoctor.runtime.metrics import SpecMetrics
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """What a request gained in one step: its new tokens, why it finished (None while it runs) and its
+    speculative counters so far."""
+
+    new_tokens: list[int]
+    finish_reason: str | None
+    metrics: SpecMetrics
+
+
+# Control messages, queued by the controller and broadcast by the first rank before each step.
+JOIN, CANCEL, SHUTDOWN = "join", "cancel", "shutdown"
+
+
+class RunningBatch:
+    def __init__(self, model: RankModel, k: int, sampled_drafts: bool):
+        self.model, self.k, self.sampled_drafts = model, k, sampled_drafts
+        self.batch: BatchState | None = None
+        self.ids: list[str] = []
+        self.reported: list[int] = []  # tokens of each row already reported
+
+    def apply(self, messages: list[tuple[str, object]]) -> None:
+        """Drop cancelled rows, then prefill and append the joiners (those not cancelled already)."""
+        cancelled = {payload for kind, payload in messages if kind == CANCEL}
+        joins = [payload for kind, payload in messages if kind == JOIN and payload[0] not in cancelled]
+        self._keep([row for row, request_id in enumerate(self.ids) if request_id not in cancelled])
+        if joins:
+            sequences: list[SequenceRequest] = [sequence for _, sequence in joins]
+            joined = BatchState(self.model, sequences, self.k, self.sampled_drafts)
+            joined.prefill()
+            self.batch = joined if self.batch is None else BatchState.regroup([self.batch, joined])
+            self.ids += [request_id for request_id, _ in joins]
+            self.reported += [0] * len(joins)
+
+    def step(self) -> None:
+        if self.batch is not None:
+            self.batch.step()
+            self.batch.commit(count_metrics=True)
+            self.batch.advance()
+            self.batch.result.proposals.clear()  # only `check` reads them; a server would hoard them
+
+    def updates(self) -> dict[str, RowUpdate]:
+        """Each row's news since the last call; finished rows leave the batch."""
+        if self.batch is None:
+            return {}
+        result, news = self.batch.result, {}
+        for row, request_id in enumerate(self.ids):
+            tokens, reason = result.tokens[row], result.finish_reasons[row] or None
+            if len(tokens) > self.reported[row] or reason:
+                news[request_id] = RowUpdate(tokens[self.reported[row] :], reason, result.row_metrics[row])
+                self.reported[row] = len(tokens)
+        self._keep([row for row, active in enumerate(self.batch.active) if active])
+        return news
+
+    def _keep(self, rows: list[int]) -> None:
+        if self.batch is None or len(rows) == len(self.ids):
+            return
+        self.batch = BatchState.regroup([self.batch], rows) if rows else None
+        self.ids = [self.ids[row] for row in rows]
+        self.reported = [self.reported[row] for row in rows]
+
+
+@torch.no_grad()
+def run_continuous(
+    model: RankModel,
+    k: int,
+    sampled_drafts: bool,
+    poll: Callable[[bool], list[tuple[str, object]]] | None,
+    report: Callable[[dict[str, RowUpdate]], None] | None,
+) -> None:
+    """Serve until the controller says shutdown. Only the first rank has `poll(idle)` (the queued control
+    messages; it waits for one when idle); only the reporting rank has `report` (every step's news, and
+    an empty beat at least once a second so the controller can tell a quiet pipeline from a dead one)."""
+    running, last_report = RunningBatch(model, k, sampled_drafts), time.monotonic()
+    while True:
+        messages = model.comm.broadcast_command(poll(running.batch is None) if poll else None)
+        if any(kind == SHUTDOWN for kind, _ in messages):
+            return
+        running.apply(messages)
+        news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
+        running.step()
+        news.update(merge_updates(news, running.updates()))
+        if report and (news or time.monotonic() - last_report >= 1.0):
+            report(news)
+            last_report = time.monotonic()
+
+
+def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> dict[str, RowUpdate]:
+    """`after`, with the new tokens `before` held for the same request put first."""
+    return {
+        request_id: RowUpdate(before[request_id].new_tokens + update.new_tokens, update.finish_reason, update.metrics)
+        if request_id in before
+        else update
+        for request_id, update in after.items()
+    }
