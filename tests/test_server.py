@@ -175,11 +175,52 @@ def test_a_stop_string_cuts_the_text_and_ends_generation_at_once(server):
     assert reply.json()["usage"]["completion_tokens"] <= 24
 
 
-def demo_tokens(text: str) -> list[int]:
+def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = demo_tokens(PROMPTS[1])
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    # The oracle: transformers' own model class on the demo, fp32, decoding greedily itself.
+    reference = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()
+    sequence = list(ids)
+    with torch.no_grad():
+        for _ in range(12):
+            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+        logits = reference(torch.tensor([sequence])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+    completion = sequence[len(ids) :]
+    assert whole["tokens"] == [demo_codec().decode([token]) for token in completion]
+    expected = logits.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(whole["token_logprobs"]), expected, atol=1e-4)
+    top = logits.topk(3, dim=-1)
+    for position, alternatives in enumerate(whole["top_logprobs"]):
+        assert list(alternatives.values()) == pytest.approx(top.values[position].tolist(), abs=1e-4)
+    assert whole["text_offset"][0] == 0 and len(whole["tokens"]) == 12
+    streamed = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["logprobs"]["token_logprobs"]
+    assert streamed == whole["token_logprobs"]
+    messages = [{"role": "user", "content": "def main():"}]
+    chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert all(entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6 for entry in content)  # greedy: the best
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "logprobs": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+
+
+def demo_codec():
     from specdoctor.runtime.checkpoint import Checkpoint
     from specdoctor.runtime.tokenizer import load_codec
 
-    return load_codec(Checkpoint("demo"), None, needed_for="the test").encode(text)
+    return load_codec(Checkpoint("demo"), None, needed_for="the test")
+
+
+def demo_tokens(text: str) -> list[int]:
+    return demo_codec().encode(text)
 
 
 def test_token_id_prompts_n_choices_usage_and_max_completion_tokens(server):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specdoctor.runtime.generation import BatchState, RankModel, SequenceRequest
+from specdoctor.runtime.logprobs import TokenLogprob
 from specdoctor.runtime.metrics import SpecMetrics
 
 
@@ -27,6 +28,7 @@ class RowUpdate:
     new_tokens: list[int]
     finish_reason: str | None
     metrics: SpecMetrics
+    new_logprobs: list[TokenLogprob]  # one per new token when the request asked for log-probabilities
 
 
 # Control messages, queued by the controller and broadcast by the first rank before each step.
@@ -68,7 +70,8 @@ class RunningBatch:
         for row, request_id in enumerate(self.ids):
             tokens, reason = result.tokens[row], result.finish_reasons[row] or None
             if len(tokens) > self.reported[row] or reason:
-                news[request_id] = RowUpdate(tokens[self.reported[row] :], reason, result.row_metrics[row])
+                new = slice(self.reported[row], None)
+                news[request_id] = RowUpdate(tokens[new], reason, result.row_metrics[row], result.logprobs[row][new])
                 self.reported[row] = len(tokens)
         self._keep([row for row, active in enumerate(self.batch.active) if active])
         return news
@@ -109,7 +112,12 @@ def run_continuous(
 def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> dict[str, RowUpdate]:
     """`after`, with the new tokens `before` held for the same request put first."""
     return {
-        request_id: RowUpdate(before[request_id].new_tokens + update.new_tokens, update.finish_reason, update.metrics)
+        request_id: RowUpdate(
+            before[request_id].new_tokens + update.new_tokens,
+            update.finish_reason,
+            update.metrics,
+            before[request_id].new_logprobs + update.new_logprobs,
+        )
         if request_id in before
         else update
         for request_id, update in after.items()

@@ -20,6 +20,7 @@ from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.loading import Provenance
 from specdoctor.runtime.kv_cache import KVCache, new_cache
+from specdoctor.runtime.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
@@ -39,6 +40,7 @@ class SequenceRequest:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class GenerateResult:
     proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
     row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
     rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
 
 
 # Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
@@ -178,12 +181,25 @@ class BatchState:
                 self.drafts = Drafts(model.drafter, mtp_cache, k, self.sampler, sampled_drafts, model.device)
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
+        self.result.logprobs = [[] for _ in range(batch)]
+        self.pending_logprobs: dict[int, list[TokenLogprob]] = {}  # the last step's, until committed
         self.decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=model.device)
         self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
         self.active = [True] * batch
 
     def commit(self, count_metrics: bool) -> None:
+        before = [len(tokens) for tokens in self.result.tokens]
         self.active = commit(self.result, self.decision, self.k, self.sequences, count_metrics, self.active)
+        for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order
+            self.result.logprobs[row] += entries[: len(self.result.tokens[row]) - before[row]]
+        self.pending_logprobs = {}
+
+    def note_logprobs(self, logits: torch.Tensor) -> None:
+        """On the last rank, before the commit: the log-probabilities of this step's emitted tokens."""
+        wanted = {row: s.logprobs for row, s in enumerate(self.sequences) if s.logprobs is not None}
+        if wanted:
+            emitted = self.decision[:, 1 : 1 + logits.shape[1]]  # [B, T]: emitted token j came from position j
+            self.pending_logprobs = emitted_logprobs(logits, emitted, wanted)
 
     def prefill(self) -> None:
         """The prompts through every rank; the last rank picks the first token and the first drafts."""
@@ -199,6 +215,7 @@ class BatchState:
             first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
             self.decision[:, :2] = first
+            self.note_logprobs(logits)
             if self.drafts:
                 # The MTP input at each prompt position is the next token: the prompt's, then the first new one.
                 next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
@@ -219,6 +236,7 @@ class BatchState:
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
             self.decision = speculative_step(logits, final, positions, self.drafts, self.sampler)
+            self.note_logprobs(logits)
         model.comm.broadcast_from_last(self.decision)
         finish_device_work(model.device)
 
@@ -255,6 +273,8 @@ class BatchState:
             kept([f for b in batches for f in b.result.finish_reasons]),
         )
         joined.result.row_metrics = kept([m for b in batches for m in b.result.row_metrics])
+        joined.result.logprobs = kept([entries for b in batches for entries in b.result.logprobs])
+        joined.pending_logprobs = {}
         joined.ids = joined.lengths = None
         return joined
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,11 +12,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.generation import SequenceRequest
-from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tokenizer import TextCodec
 from specdoctor.server.metrics import ServerMetrics
-from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, SamplingFields, render_chat
+from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, render_chat
+from specdoctor.server.reply import Reply
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -35,12 +32,6 @@ class ServerState:
     metrics: ServerMetrics
     max_num_seqs: int = 32  # requests in the running batch at most
     max_waiting: int = 256  # requests queued for a place at most
-
-
-def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Cut the text at the earliest stop string; True when one was found."""
-    cuts = [index for stop in stops if (index := text.find(stop)) >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -91,7 +82,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompt = render_chat(state.chat_template, body.messages)
         return await respond(body, [prompt], chat=True, default_max_tokens=None)
 
-    async def respond(body: SamplingFields, prompts: list, chat: bool, default_max_tokens: int | None):
+    async def respond(body: CompletionRequest | ChatRequest, prompts: list, chat: bool, default_max_tokens: int | None):
         reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens), chat)
         scheduler.enqueue(reply.jobs)  # before the response starts, so a full queue is still a 429
         if body.stream:
@@ -102,7 +93,9 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def make_jobs(state: ServerState, body: SamplingFields, prompts: list, default_max_tokens: int | None) -> list[Job]:
+def make_jobs(
+    state: ServerState, body: CompletionRequest | ChatRequest, prompts: list, default_max_tokens: int | None
+) -> list[Job]:
     """Validate a request into its jobs, n per prompt (choice index = prompt index * n + i); None as the
     default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's."""
     if body.model not in (None, state.model_name):
@@ -115,6 +108,7 @@ def make_jobs(state: ServerState, body: SamplingFields, prompts: list, default_m
     if not state.engine.alive:
         raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
+    logprobs = body.logprob_count()
     jobs = []
     for prompt in prompts:
         ids = prompt_ids(state, prompt)
@@ -128,7 +122,7 @@ def make_jobs(state: ServerState, body: SamplingFields, prompts: list, default_m
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), seed)
-            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids)))
+            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs)))
     return jobs
 
 
@@ -157,116 +151,3 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def refused(_request, error: RequestError):
         return JSONResponse(error.body(), error.status)
-
-
-class Reply:
-    """One request's answer, a choice per job: whole, or streamed as server-sent events."""
-
-    def __init__(self, state: ServerState, body: SamplingFields, jobs: list[Job], chat: bool):
-        self.state, self.body, self.jobs, self.chat = state, body, jobs, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.stops = body.stop_strings()
-        for job in jobs:
-            job.should_stop = self.stopped if self.stops else None
-
-    def stopped(self, tokens: list[int]) -> bool:
-        return apply_stop(self.state.codec.decode(tokens), self.stops)[1]
-
-    def finish(self, job: Job, tokens: list[int], reason: str, spec: SpecMetrics) -> tuple[str, str]:
-        text, stopped = apply_stop(self.state.codec.decode(tokens), self.stops)
-        reason = "stop" if stopped else reason
-        self.state.metrics.record_request(reason, len(job.sequence.prompt), len(tokens), spec)
-        return text, reason
-
-    def usage(self, outcomes: list[tuple[list[int], str, SpecMetrics]]) -> dict:
-        """Each prompt counted once (n choices share it), every choice's tokens counted."""
-        prompt_tokens = sum(len(job.sequence.prompt) for job in self.jobs[:: self.body.n])
-        completion_tokens = sum(len(tokens) for tokens, _, _ in outcomes)
-        total = prompt_tokens + completion_tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
-
-    def choice(self, index: int, text: str, reason: str | None, delta: bool) -> dict:
-        if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-        key = "delta" if delta else "message"
-        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": reason}
-
-    def envelope(self, choices: list[dict], chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-
-    async def whole(self, scheduler: ContinuousScheduler):
-        try:
-            outcomes = await asyncio.gather(*(scheduler.result(job) for job in self.jobs))
-        except Exception as err:
-            self.record_failure()
-            raise RequestError(f"generation failed: {err}", status=500, kind="server_error") from None
-        choices = []
-        for index, (job, (tokens, reason, spec)) in enumerate(zip(self.jobs, outcomes, strict=True)):
-            text, reason = self.finish(job, tokens, reason, spec)
-            choices.append(self.choice(index, text, reason, delta=False))
-        spec = combined([spec for _, _, spec in outcomes])
-        return {**self.envelope(choices, chunk=False), "usage": self.usage(outcomes), **self.spec_fields(spec)}
-
-    def record_failure(self) -> None:
-        for job in self.jobs:
-            self.state.metrics.record_request("error", len(job.sequence.prompt), 0, None)
-
-    async def events(self, scheduler: ContinuousScheduler):
-        updates: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
-        for index, job in enumerate(self.jobs):
-            job.on_tokens = lambda tokens, index=index: updates.put_nowait((index, tokens))
-        generation = asyncio.gather(*(scheduler.result(job) for job in self.jobs))
-        hold = max((len(s) for s in self.stops), default=1) - 1  # text that may still become a stop string
-        sent = [""] * len(self.jobs)
-        try:
-            while not generation.done():
-                update = asyncio.create_task(updates.get())
-                await asyncio.wait({update, generation}, return_when=asyncio.FIRST_COMPLETED)
-                if not update.done():
-                    update.cancel()
-                    break
-                index, tokens = update.result()
-                text, stopped = apply_stop(self.state.codec.decode(tokens), self.stops)
-                ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
-                if len(ready) > len(sent[index]) and ready.startswith(sent[index]):
-                    yield self.sse(self.envelope([self.choice(index, ready[len(sent[index]) :], None, True)], True))
-                    sent[index] = ready
-            outcomes = await generation
-        except asyncio.CancelledError:  # the client went away: its requests leave the batch
-            generation.cancel()
-            raise
-        except Exception as err:
-            self.record_failure()
-            yield self.sse(RequestError(f"generation failed: {err}", status=500, kind="server_error").body())
-            return
-        for index, (job, (tokens, reason, spec)) in enumerate(zip(self.jobs, outcomes, strict=True)):
-            text, reason = self.finish(job, tokens, reason, spec)
-            rest = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
-            final = self.envelope([self.choice(index, rest, reason, delta=True)], chunk=True)
-            yield self.sse({**final, **self.spec_fields(spec)})
-        if self.body.include_usage:  # OpenAI's last chunk: no choices, the whole request's usage
-            yield self.sse({**self.envelope([], chunk=True), "usage": self.usage(outcomes)})
-        yield "data: [DONE]\n\n"
-
-    def spec_fields(self, spec: SpecMetrics) -> dict:
-        """The speculative counters, when speculative decoding is on."""
-        return {"spec_decode": spec.to_dict()} if self.state.metrics.speculative else {}
-
-    @staticmethod
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-
-def combined(metrics: list[SpecMetrics]) -> SpecMetrics:
-    total = SpecMetrics()
-    for one in metrics:
-        total.add(one)
-    return total

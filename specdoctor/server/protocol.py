@@ -13,6 +13,7 @@ PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% 
 
 
 MAX_CHOICES = 16  # n per request
+MAX_LOGPROBS = 20  # top alternatives per token, vLLM's default --max-logprobs
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +63,12 @@ class CompletionRequest(SamplingFields):
             raise RequestError("the prompt list is empty", "prompt")
         return list(self.prompt)
 
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives per token (0: only the chosen token's log-probability); None: none asked for."""
+        return self.logprobs
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
@@ -70,6 +77,13 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class RequestError(Exception):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from specdoctor.runtime.continuous import RowUpdate
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.generation import SequenceRequest
+from specdoctor.runtime.logprobs import TokenLogprob
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import RequestError
@@ -31,7 +32,9 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    finish_reason: str | None = None
     future: asyncio.Future | None = None
 
 
@@ -59,8 +62,8 @@ class ContinuousScheduler:
             self.waiting.append(job)
         self._admit()
 
-    async def result(self, job: Job) -> tuple[list[int], str, SpecMetrics]:
-        """(tokens, finish reason, the request's speculative counters) once the job is done."""
+    async def result(self, job: Job) -> Job:
+        """The job, once done: its tokens, log-probabilities, finish reason and speculative counters."""
         try:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:  # the client went away: free its place at once
@@ -112,6 +115,7 @@ class ContinuousScheduler:
             if update.new_tokens and not job.tokens:
                 self.metrics.record_ttft(time.perf_counter() - job.arrived)
             job.tokens += update.new_tokens
+            job.logprobs += update.new_logprobs
             job.metrics = update.metrics
             reason = update.finish_reason
             if reason is None and job.should_stop and job.should_stop(job.tokens):
@@ -121,8 +125,9 @@ class ContinuousScheduler:
                 job.on_tokens(list(job.tokens))
             if reason is not None:
                 del self.running[request_id]
+                job.finish_reason = reason
                 if not job.future.done():
-                    job.future.set_result((job.tokens, reason, job.metrics))
+                    job.future.set_result(job)
         self._admit()
 
     def _fail(self, err: Exception) -> None:

@@ -1,0 +1,177 @@
+"""One request's answer in OpenAI's shapes: a choice per job, whole or streamed as server-sent events,
+with the text cut at a stop string, log-probabilities when asked for, usage and spec counters."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import time
+import uuid
+
+from specdoctor.runtime.logprobs import TokenLogprob
+from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.server.protocol import RequestError, SamplingFields
+from specdoctor.server.scheduler import ContinuousScheduler, Job
+
+
+def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Cut the text at the earliest stop string; True when one was found."""
+    cuts = [index for stop in stops if (index := text.find(stop)) >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class Reply:
+    def __init__(self, state, body: SamplingFields, jobs: list[Job], chat: bool):
+        self.state, self.body, self.jobs, self.chat = state, body, jobs, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.stops = body.stop_strings()
+        for job in jobs:
+            job.should_stop = self.stopped if self.stops else None
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.state.codec.decode(tokens)
+
+    def stopped(self, tokens: list[int]) -> bool:
+        return apply_stop(self.decode(tokens), self.stops)[1]
+
+    def finish(self, job: Job) -> tuple[str, str]:
+        """The choice's text and finish reason. A stop string ends the tokens at the one that completed it,
+        as an engine checking after every token would (a step may have emitted a few more)."""
+        text, stopped = apply_stop(self.decode(job.tokens), self.stops)
+        if stopped:
+            kept = 1 + bisect.bisect_left(
+                range(1, len(job.tokens) + 1), True, key=lambda n: self.stopped(job.tokens[:n])
+            )
+            job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]
+            job.finish_reason = "stop"
+        self.state.metrics.record_request(job.finish_reason, len(job.sequence.prompt), len(job.tokens), job.metrics)
+        return text, job.finish_reason
+
+    def usage(self) -> dict:
+        """Each prompt counted once (n choices share it), every choice's tokens counted."""
+        prompt_tokens = sum(len(job.sequence.prompt) for job in self.jobs[:: self.body.n])
+        completion_tokens = sum(len(job.tokens) for job in self.jobs)
+        total = prompt_tokens + completion_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+    def choice(self, index: int, text: str, reason: str | None, delta: bool, logprobs: list | None = None) -> dict:
+        shown = self.logprobs(logprobs, delta) if self.jobs[index].sequence.logprobs is not None else None
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+        key = "delta" if delta else "message"
+        return {"index": index, key: {"role": "assistant", "content": text}, "logprobs": shown, "finish_reason": reason}
+
+    def logprobs(self, entries: list[tuple[int, TokenLogprob]], delta: bool) -> dict:
+        """OpenAI's shapes: chat's `content` list, or the completions API's parallel lists."""
+        if self.chat:
+            return {"content": [self.chat_entry(token, lp, top) for token, (lp, top) in entries]}
+        texts = [self.decode([token]) for token, _ in entries]
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp for _, (lp, _) in entries],
+            "top_logprobs": [{self.decode([t]): v for t, v in top} for _, (_, top) in entries],
+            "text_offset": offsets,
+        }
+
+    def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        def described(token: int, value: float) -> dict:
+            text = self.decode([token])
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return {**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+
+    async def whole(self, scheduler: ContinuousScheduler) -> dict:
+        try:
+            await asyncio.gather(*(scheduler.result(job) for job in self.jobs))
+        except Exception as err:
+            self.record_failure()
+            raise RequestError(f"generation failed: {err}", status=500, kind="server_error") from None
+        choices = []
+        for index, job in enumerate(self.jobs):
+            text, reason = self.finish(job)
+            choices.append(self.choice(index, text, reason, False, token_logprobs(job, 0, len(job.tokens))))
+        spec = combined([job.metrics for job in self.jobs])
+        return {**self.envelope(choices, chunk=False), "usage": self.usage(), **self.spec_fields(spec)}
+
+    def record_failure(self) -> None:
+        for job in self.jobs:
+            self.state.metrics.record_request("error", len(job.sequence.prompt), 0, None)
+
+    async def events(self, scheduler: ContinuousScheduler):
+        updates: asyncio.Queue[int] = asyncio.Queue()
+        for index, job in enumerate(self.jobs):
+            job.on_tokens = lambda _tokens, index=index: updates.put_nowait(index)
+        generation = asyncio.gather(*(scheduler.result(job) for job in self.jobs))
+        hold = max((len(s) for s in self.stops), default=1) - 1  # text that may still become a stop string
+        sent, sent_tokens = [""] * len(self.jobs), [0] * len(self.jobs)
+        try:
+            while not generation.done():
+                update = asyncio.create_task(updates.get())
+                await asyncio.wait({update, generation}, return_when=asyncio.FIRST_COMPLETED)
+                if not update.done():
+                    update.cancel()
+                    break
+                index = update.result()
+                job = self.jobs[index]
+                text, stopped = apply_stop(self.decode(job.tokens), self.stops)
+                ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
+                if len(ready) > len(sent[index]) and ready.startswith(sent[index]):
+                    yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], len(job.tokens))
+                    sent[index], sent_tokens[index] = ready, len(job.tokens)
+            await generation
+        except asyncio.CancelledError:  # the client went away: its requests leave the batch
+            generation.cancel()
+            raise
+        except Exception as err:
+            self.record_failure()
+            yield self.sse(RequestError(f"generation failed: {err}", status=500, kind="server_error").body())
+            return
+        for index, job in enumerate(self.jobs):
+            text, reason = self.finish(job)
+            rest = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
+            yield self.chunk(
+                index, rest, reason, job, sent_tokens[index], len(job.tokens), self.spec_fields(job.metrics)
+            )
+        if self.body.include_usage:  # OpenAI's last chunk: no choices, the whole request's usage
+            yield self.sse({**self.envelope([], chunk=True), "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    def chunk(self, index: int, text: str, reason, job: Job, start: int, end: int, extra: dict | None = None) -> str:
+        """A streamed delta, with the log-probabilities of the tokens it newly covers."""
+        choice = self.choice(index, text, reason, True, token_logprobs(job, start, end))
+        return self.sse({**self.envelope([choice], True), **(extra or {})})
+
+    def spec_fields(self, spec: SpecMetrics) -> dict:
+        """The speculative counters, when speculative decoding is on."""
+        return {"spec_decode": spec.to_dict()} if self.state.metrics.speculative else {}
+
+    @staticmethod
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+
+def token_logprobs(job: Job, start: int, end: int) -> list[tuple[int, TokenLogprob]]:
+    """(token, its log-probability entry) for tokens [start, end), when the request asked for them."""
+    if job.sequence.logprobs is None:
+        return []
+    return list(zip(job.tokens[start:end], job.logprobs[start:end], strict=True))
+
+
+def combined(metrics: list[SpecMetrics]) -> SpecMetrics:
+    total = SpecMetrics()
+    for one in metrics:
+        total.add(one)
+    return total
