@@ -33,8 +33,7 @@ K = 3
 
 
 def tokens_per_second(url: str, prompts: list[str], max_tokens: int, rounds: int) -> float:
-    """Text prompts: both servers tokenize them with the demo's tokenizer.json (`specdoctor serve` does not
-    take token-id prompts yet)."""
+    """Text prompts: both servers tokenize them with the demo's tokenizer.json."""
     body = {"model": "demo", "max_tokens": max_tokens, "temperature": 0}
     httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompts[0], "max_tokens": 4}, timeout=120)  # warm-up
     tokens, started = 0, time.perf_counter()

@@ -1,0 +1,140 @@
+"""Serving under load: `specdoctor serve` against vLLM 0.32's CPU server, the same load, one server at a time.
+
+    python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--json runs/serve_load.json]
+
+The demo model, fp32, PP 1, greedy, MTP with k 3 on every server. For each number of concurrent streams c,
+c clients each send the 9 battery prompts `--rounds` times, back to back, streamed (`ignore_eos`, so every
+request makes `--max-tokens` tokens). Reported per server and c: completion tokens/s over the wall time,
+time to first token (TTFT) and time per output token after the first (TPOT = (last chunk - first chunk) /
+(tokens - 1) per request), p50 and p99. vLLM runs twice: with its CPU defaults (compute bound to one core,
+the other reserved) and with both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import machine, write_json
+from specdoctor.battery import load_battery
+from specdoctor.runtime.checkpoint import DEMO_DIR
+from tests.helpers.servers import SpecdoctorServer
+from tests.peer.vllm_server import VllmServer
+
+K = 3
+BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "model": "demo",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent, chunks, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                chunks.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    tpot = (chunks[-1] - chunks[0]) / (tokens - 1) if tokens > 1 and len(chunks) > 1 else None
+    return {"ttft": chunks[0] - sent, "tpot": tpot, "tokens": tokens}
+
+
+async def drive(url: str, prompts: list[str], streams: int, max_tokens: int, rounds: int) -> dict:
+    """`streams` clients, each sending every prompt `rounds` times back to back."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_request(client, url, prompts[0], 4)  # warm-up, not counted
+
+        async def stream(offset: int) -> list[dict]:
+            order = [prompts[(offset + i) % len(prompts)] for i in range(len(prompts) * rounds)]
+            return [await one_request(client, url, prompt, max_tokens) for prompt in order]
+
+        started = time.perf_counter()
+        results = [r for per_stream in await asyncio.gather(*(stream(s) for s in range(streams))) for r in per_stream]
+        wall = time.perf_counter() - started
+    ttfts = sorted(r["ttft"] for r in results)
+    tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
+    return {
+        "streams": streams,
+        "requests": len(results),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "tpot_p50_ms": 1000 * percentile(tpots, 50),
+        "tpot_p99_ms": 1000 * percentile(tpots, 99),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
+
+
+def measure(name: str, start, prompts: list[str], args) -> list[dict]:
+    server = start()
+    try:
+        return [
+            {"server": name, **asyncio.run(drive(server.url, prompts, c, args.max_tokens, args.rounds))}
+            for c in args.streams
+        ]
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
+    args = parser.parse_args()
+    prompts = [entry["prompt"] for entry in load_battery(None)]
+    servers = [
+        ("specdoctor serve", lambda: SpecdoctorServer("--num-speculative-tokens", str(K))),
+        ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
+        ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
+    ]
+    rows = [row for name, start in servers for row in measure(name, start, prompts, args)]
+    table = Table(title=f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}")
+    for column in ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["server"],
+            str(row["streams"]),
+            f"{row['tokens_per_s']:.1f}",
+            *(f"{row[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")),
+        )
+    console = Console(width=150)
+    console.print(table)
+    for streams in args.streams:
+        ours = next(r for r in rows if r["server"] == "specdoctor serve" and r["streams"] == streams)
+        best = max((r for r in rows if r["server"].startswith("vLLM") and r["streams"] == streams), key=rate)
+        console.print(f"{streams} streams: specdoctor / best vLLM ({best['server']}) = {rate(ours) / rate(best):.2f}x")
+    console.print(f"machine: {machine()}")
+    write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "machine": machine(), "rows": rows})
+
+
+def rate(row: dict) -> float:
+    return row["tokens_per_s"]
+
+
+if __name__ == "__main__":
+    main()
