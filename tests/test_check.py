@@ -120,7 +120,10 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
         assert not [f for f in after.findings if f.severity == "error"], after.findings
         assert after.behaviour["battery"] == "9/9"
         assert report.healthy and report.exit_code == 0
-        verdicts.append((signals["content"], before.behaviour["battery"], [s.name for s in report.stages]))
+        # Whether `empty` memory's statistics look abnormal varies with what it holds; the fingerprint against
+        # the checkpoint fires for every value, so only that is compared for it.
+        content = [c for c in signals["content"] if not (fill == "empty" and c == "drafter.stats")]
+        verdicts.append((content, before.behaviour["battery"], [s.name for s in report.stages]))
         warnings = {f.check for f in report.preflight if f.severity == "warning"}
         assert ("behaviour.battery" in warnings) == variant.endswith("-untokenized")
     assert verdicts[0] == verdicts[1]
