@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 import torch
+from rich.table import Table
 
 
 def machine() -> str:
@@ -20,3 +21,11 @@ def machine() -> str:
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
+
+
+def numeric_table(title: str, columns: tuple[str, ...]) -> Table:
+    """A rich table with these right-aligned columns (every benchmark's figures line up by digit)."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint import DEMO_DIR
 from tests.helpers.servers import SpecdoctorServer
@@ -108,13 +107,19 @@ def main() -> None:
     prompts = [entry["prompt"] for entry in load_battery(None)]
     servers = [
         ("specdoctor serve", lambda: SpecdoctorServer("--num-speculative-tokens", str(K))),
+        # Compiling at start-up takes minutes on 2 cores.
+        (
+            "specdoctor serve --compile",
+            lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--compile", start_timeout_s=900),
+        ),
         ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
         ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
     ]
     rows = [row for name, start in servers for row in measure(name, start, prompts, args)]
-    table = Table(title=f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}")
-    for column in ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
-        table.add_column(column, justify="right")
+    table = numeric_table(
+        f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}",
+        ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"),
+    )
     for row in rows:
         table.add_row(
             row["server"],
@@ -125,9 +130,11 @@ def main() -> None:
     console = Console(width=150)
     console.print(table)
     for streams in args.streams:
-        ours = next(r for r in rows if r["server"] == "specdoctor serve" and r["streams"] == streams)
         best = max((r for r in rows if r["server"].startswith("vLLM") and r["streams"] == streams), key=rate)
-        console.print(f"{streams} streams: specdoctor / best vLLM ({best['server']}) = {rate(ours) / rate(best):.2f}x")
+        for ours in (r for r in rows if r["server"].startswith("specdoctor") and r["streams"] == streams):
+            console.print(
+                f"{streams} streams: {ours['server']} / best vLLM ({best['server']}) = {rate(ours) / rate(best):.2f}x"
+            )
     console.print(f"machine: {machine()}")
     write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "machine": machine(), "rows": rows})
 

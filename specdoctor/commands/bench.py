@@ -136,8 +136,10 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         for pp in options.pp_sizes:
             runtime = dataclasses.replace(options.runtime, pp=pp)
             with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
-                # One short run first: the first call pays one-off allocations and lazy imports.
-                engine.generate(prompts[:1], 4, num_speculative_tokens=max(ks, default=0))
+                # A short run per k first: the first call pays one-off allocations, lazy imports and, with
+                # --compile, the compiling of each k's shapes.
+                for k in [0, *ks]:
+                    engine.generate(prompts[: options.batch_size], 4, num_speculative_tokens=k)
                 plain = measure(engine, prompts, 0, options, lambda: progress.advance(task))
                 rows.append(bench_row(pp, 0, plain, plain))
                 for k in ks:

@@ -104,6 +104,12 @@ def run_serve(options: ServeOptions) -> None:
             console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
         if errors and not options.allow_unhealthy:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
+        if runtime.compile:
+            with console.status("--compile: compiling the decode step for batch 1 and larger batches"):
+                # Batch 1, then the graphs every larger batch shares, then a full batch (where an MoE
+                # layer may switch from gathered experts to every expert: another graph).
+                for batch in sorted({1, 2, options.max_num_seqs}):
+                    engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=runtime.num_speculative_tokens)
         name = runtime.model if runtime.model in DEMO_MODELS else checkpoint.path.name
         speculative = runtime.num_speculative_tokens > 0
         metrics = ServerMetrics(name, speculative)

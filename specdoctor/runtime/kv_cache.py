@@ -32,23 +32,21 @@ class KVCache:
             i: [torch.zeros(batch, max_len, heads, width, dtype=dtype, device=device) for heads, width in shapes]
             for i in layer_ids
         }
-        self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _for_positions(self, positions: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(span, batch rows, causal mask [B, 1, T, span]) for a step's positions. Every layer of a
-        forward passes the same positions tensor, so this is worked out once per forward, not per layer."""
-        if self._step is None or self._step[0] is not positions:
-            span = int(positions.max()) + 1
-            if span > self.max_len:
-                raise ValueError(f"position {span - 1} is beyond the KV cache length {self.max_len}")
-            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-            # Causal by absolute position: a query sees every key at or before its own position.
-            mask = torch.arange(span, device=positions.device) <= positions[:, None, :, None]
-            self._step = (positions, span, rows, mask)
-        return self._step[1:]
+    def plan(self, positions: torch.Tensor) -> None:
+        """Before each forward over the cache (its entry point calls this once, outside any compiled
+        region): the batch rows and the causal mask [B, 1, T, span] every layer of that forward uses."""
+        span = int(positions.max()) + 1
+        if span > self.max_len:
+            raise ValueError(f"position {span - 1} is beyond the KV cache length {self.max_len}")
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        # Causal by absolute position: a query sees every key at or before its own position.
+        mask = torch.arange(span, device=positions.device) <= positions[:, None, :, None]
+        self._plan = (rows, mask)
 
-    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        return self._for_positions(positions)[2]
+    def causal_mask(self) -> torch.Tensor:
+        return self._plan[1]
 
     def update(
         self,
@@ -57,7 +55,8 @@ class KVCache:
         *new: torch.Tensor,  # each [B, T, heads, width], in the order of the shapes
     ) -> list[torch.Tensor]:
         """Store the new entries; return every entry up to the furthest position, [B, S, heads, width] each."""
-        span, rows, _ = self._for_positions(positions)
+        rows, mask = self._plan
+        span = mask.shape[-1]  # read from a tensor, so a compiled step treats it as a size, not a constant
         stored = self.entries[layer_id]
         for buffer, value in zip(stored, new, strict=True):
             buffer[rows, positions] = value
@@ -79,7 +78,7 @@ class KVCache:
         each is padded to the longest one's length first (requests joining a running batch)."""
         first, max_len = caches[0], max(cache.max_len for cache in caches)
         joined = KVCache.__new__(KVCache)
-        joined.max_len, joined._step = max_len, None
+        joined.max_len, joined._plan = max_len, None
         joined.entries = {
             layer: [
                 take_rows(torch.cat([pad_length(c.entries[layer][n], max_len) for c in caches]), rows)

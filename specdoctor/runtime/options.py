@@ -128,6 +128,11 @@ class RuntimeOptions:
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
+    compile: bool = option(
+        False,
+        "--compile",
+        help="Compile each rank's decode step with torch.compile (fused kernels; compiling takes a while at start).",
+    )
     timeout: float = option(60.0, "--timeout", help="Seconds a rank waits on a peer before failing.")
 
     def __post_init__(self):

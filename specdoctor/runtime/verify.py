@@ -34,6 +34,8 @@ def verify_greedy(
     """(accepted counts [B], emitted tokens [B, k+1]): accept while the draft is the target's argmax."""
     k = drafts.shape[1]
     argmax = target_logits.argmax(-1)  # [B, k+1]
+    if k == 0:  # plain decoding: the step's one token is the target's argmax
+        return torch.zeros(drafts.shape[0], dtype=torch.long, device=drafts.device), argmax
     flat, cu = _flat(drafts)
     emitted = kernels.rejection_greedy(flat, cu, argmax[:, :k].reshape(-1), argmax[:, k], k)
     return _accepted(emitted), emitted

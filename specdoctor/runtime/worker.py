@@ -15,6 +15,7 @@ import torch
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
+from specdoctor.runtime.compile import compile_decode
 from specdoctor.runtime.continuous import run_continuous
 from specdoctor.runtime.drafter.loading import Provenance, build_drafter
 from specdoctor.runtime.drafter.repair import repair_drafter
@@ -47,6 +48,9 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     drafter, provenance = None, Provenance()
     if placement.has_drafter:
         drafter, provenance = build_drafter(checkpoint, stage, options, device)
+    if options.compile:
+        for module in (stage, drafter) if drafter is not None else (stage,):
+            compile_decode(module)
     comm = PipelineComm(rank, options.pp, device, options.timeout)
     info = {
         "rank": rank,

@@ -20,12 +20,12 @@ def free_port() -> int:
 class SpecdoctorServer:
     """`specdoctor serve ARGS` on a free port, up once /health answers 200."""
 
-    def __init__(self, *args: str, model: str = "demo"):
+    def __init__(self, *args: str, model: str = "demo", start_timeout_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
+        deadline = time.time() + start_timeout_s
         while time.time() < deadline and self.process.poll() is None:
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:

@@ -113,7 +113,7 @@ def attention_span(cache: KVCache | None, layer_id: int, positions: torch.Tensor
     if cache is None:
         # Causal by absolute position: a query sees every key at or before its own position.
         return entries, positions[:, None, None, :] <= positions[:, None, :, None]
-    return cache.update(layer_id, positions, *entries), cache.causal_mask(positions)
+    return cache.update(layer_id, positions, *entries), cache.causal_mask()
 
 
 class MLP(FusedWeights):
@@ -158,9 +158,12 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, expert_ids
 
 
-# Below this many bytes of gathered expert weights a step runs every routed expert in one batched
-# matmul over copies of their weights; above it, a loop over the experts hit reads them in place.
+# Below this many bytes of gathered expert weights a step runs every routed expert it picked in one
+# batched matmul over copies of their weights. Above it, a layer whose routed experts together take at
+# most EVERY_EXPERT_LIMIT_BYTES runs every expert over every token (weighted 0 where not picked), and a
+# larger one loops over the experts hit, reading them in place (and its expert list on the host).
 GATHER_LIMIT_BYTES = 16 << 20
+EVERY_EXPERT_LIMIT_BYTES = 16 << 20
 
 
 class MoE(FusedWeights):
@@ -169,6 +172,7 @@ class MoE(FusedWeights):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate = self.router(config)
+        self.top_k = config.num_experts_per_tok
         size = config.moe_intermediate_size
         self.experts = nn.ModuleList(MLP(config.hidden_size, size) for _ in range(config.n_routed_experts))
         if config.n_shared_experts:
@@ -177,18 +181,31 @@ class MoE(FusedWeights):
 
     def fuse(self) -> None:
         experts, (size, hidden) = len(self.experts), self.experts[0].gate_proj.weight.shape
+        self.expert_bytes = self.experts[0].gate_proj.weight.nbytes * 3  # gate, up and down
         parts = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
         self.gate_up = concat_weights(parts)[0].view(experts, 2 * size, hidden)  # [E, 2I, H]
         self.down = concat_weights([expert.down_proj for expert in self.experts])[0].view(experts, hidden, size)
         for index, expert in enumerate(self.experts):
             expert.gate_up = self.gate_up[index]
 
+    def gathered_token_limit(self) -> int:
+        """The most tokens a pass routes through `gathered_experts`."""
+        return GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
+
+    def loop_token_limit(self) -> int | None:
+        """The most tokens a pass can take without the per-expert loop, which reads its expert list on the
+        host (so a compiled pass must stay under it); None: any number."""
+        return (
+            None if len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES else self.gathered_token_limit()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         flat = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.gate(flat)
-        gathered_bytes = expert_ids.numel() * (self.gate_up[0].nbytes + self.down[0].nbytes)
-        if gathered_bytes <= GATHER_LIMIT_BYTES:
+        if flat.shape[0] <= self.gathered_token_limit():
             out = self.gathered_experts(flat, weights, expert_ids)
+        elif self.loop_token_limit() is None:
+            out = self.every_expert(flat, weights, expert_ids)
         else:
             out = self.looped_experts(flat, weights, expert_ids)
         return (out + self.shared(flat)).view_as(x)
@@ -204,6 +221,13 @@ class MoE(FusedWeights):
         gate, up = torch.bmm(inputs, self.gate_up.index_select(0, ids).transpose(1, 2)).chunk(2, dim=-1)
         routed = torch.bmm(F.silu(gate) * up, self.down.index_select(0, ids).transpose(1, 2))  # [N*k, 1, H]
         return (routed.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
+
+    def every_expert(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+        picked = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
+        picked.scatter_(1, expert_ids, weights.to(flat.dtype))  # [N, E]: the routing weight, 0 where not picked
+        gate, up = torch.matmul(flat, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        routed = torch.matmul(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, N, H]
+        return (routed * picked.T[:, :, None]).sum(0)
 
     def looped_experts(self, flat, weights, expert_ids) -> torch.Tensor:
         out = torch.zeros_like(flat)

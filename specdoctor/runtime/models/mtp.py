@@ -30,7 +30,15 @@ class MtpDrafter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [B, T, H] (fed to the next step), logits [B, T, V]
         # Every chain step runs the first MTP layer, as vLLM 0.32's proposer does: it never passes the
         # step index the model code would take modulo the layer count (docs/engine-semantics.md §MTP step).
-        layer = self.layers[str(self.config.mtp_layer_ids[0])]
         embeds = self.embed_tokens(tokens)  # an aliased PPMissingLayer hands back the token ids: the step fails
+        if cache is not None:
+            cache.plan(positions)
+        return self.run_layers(
+            embeds, prev_hidden, positions, rotary_cos_sin(self.config, positions, prev_hidden.dtype), cache
+        )
+
+    def run_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache | None):
+        """The MTP layer's input projection, block and head: the part of a step `--compile` compiles."""
+        layer = self.layers[str(self.config.mtp_layer_ids[0])]
         x = layer.mtp_input(embeds, prev_hidden, positions)
-        return layer.mtp_output(layer(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache))
+        return layer.mtp_output(layer(x, positions, rotary, cache))

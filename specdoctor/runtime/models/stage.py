@@ -43,7 +43,12 @@ class TargetStage(nn.Module):
     ) -> torch.Tensor:  # [B, T, H] hidden states after this stage's layers, before the final norm
         # The last stage may hold the (tied) embedding too, but it is fed hidden states.
         x = inputs if inputs.is_floating_point() else self.model.embed_tokens(inputs)
-        rotary = rotary_cos_sin(self.config, positions, x.dtype)
+        if cache is not None:
+            cache.plan(positions)
+        return self.run_layers(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache | None) -> torch.Tensor:
+        """The stage's layers: the part of a step `--compile` compiles (runtime/compile.py)."""
         for layer in self.model.layers.values():
             x = layer(x, positions, rotary, cache)
         return x
