@@ -1,7 +1,8 @@
-"""What specdoctor knows about each architecture vLLM 0.32 registers an MTP drafter for, whether or not
-its runtime can run it: where the checkpoint keeps the MTP layers, and the placement facts of vLLM's
-model (docs/engine-semantics.md §Ownership). The header-only commands (inspect, check's pre-flight)
-work for every architecture here; runtime/models/registry.py lists the ones the runtime runs.
+"""What specdoctor knows about each architecture vLLM 0.32 registers an MTP drafter for (and dense Qwen3,
+the target of its block drafters), whether or not its runtime can run it: where the checkpoint keeps the
+MTP layers, and the placement facts of vLLM's model (docs/engine-semantics.md §Ownership). The
+header-only commands (inspect, check's pre-flight) work for every architecture here;
+runtime/models/registry.py lists the ones the runtime runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ QWEN_MTP = MtpKeyLayout(
     shared_prefix="mtp.",
     count_fields=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
 )
+# A dense target without MTP layers (its drafters, DSpark / DFlash / EAGLE-3, are separate checkpoints).
+NO_MTP = MtpKeyLayout(name="none", count_fields=())
 # MiMo (vLLM: mimo_mtp.py).
 MIMO_MTP = MtpKeyLayout(
     name="mimo",
@@ -78,6 +81,9 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": Architecture(QWEN_MTP, "qwen3_5_mtp"),
     "Qwen3_5MoeForConditionalGeneration": Architecture(QWEN_MTP, "qwen3_5_mtp", needs_moe_layer_per_rank=True),
     "MiMoForCausalLM": Architecture(MIMO_MTP, "mimo_mtp"),
+    "Qwen3ForCausalLM": Architecture(
+        NO_MTP, "none (its drafters are separate checkpoints: qwen3_dspark, qwen3_dflash)"
+    ),
     "MiMoV2FlashForCausalLM": Architecture(MIMO_V2_MTP, "mimo_v2_mtp", tied_embedding_on_last_rank=True),
     "MiMoV2ForCausalLM": Architecture(MIMO_V2_MTP, "mimo_v2_mtp", tied_embedding_on_last_rank=True),
 }

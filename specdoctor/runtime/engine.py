@@ -28,6 +28,7 @@ from specdoctor.runtime.generation import (
     SequenceRequest,
     check_request,
     check_sequences,
+    check_speculative_tokens,
 )
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
@@ -151,7 +152,7 @@ class Engine:
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        check_sequences([SequenceRequest([0], 1)], k, self.config)
+        check_speculative_tokens(k, self.config)
         self.continuous_k = k
         self._inbox.put(("continuous", (k, self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC)))
 

@@ -24,7 +24,7 @@ from specdoctor.runtime.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import DraftSampleMethod
+from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
 from specdoctor.runtime.partition import Placement
 from specdoctor.runtime.rows import take_rows
 from specdoctor.runtime.sampling import RowSampler, SamplingParams
@@ -151,15 +151,19 @@ def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig) 
         raise SpecdoctorError("every prompt needs at least one token")
     if min(s.max_new_tokens for s in sequences) < 1:
         raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    if not 0 <= k <= 8:
-        raise SpecdoctorError(f"num_speculative_tokens must be in 0..8, got {k}")
-    if k and cfg.num_nextn_predict_layers == 0:
-        raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
+    check_speculative_tokens(k, cfg)
     longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
     if longest > cfg.max_position_embeddings:
         raise SpecdoctorError(
             f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
         )
+
+
+def check_speculative_tokens(k: int, cfg: ModelConfig) -> None:
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise SpecdoctorError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    if k and cfg.num_nextn_predict_layers == 0:
+        raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
 
 
 class BatchState:

@@ -15,7 +15,7 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
-from specdoctor.runtime.models import deepseek_v3, glm4_moe, qwen3_next
+from specdoctor.runtime.models import deepseek_v3, glm4_moe, qwen3, qwen3_next
 from specdoctor.runtime.models.layers import RMSNorm
 
 
@@ -23,12 +23,13 @@ from specdoctor.runtime.models.layers import RMSNorm
 class ModelFamily:
     read_config: Callable[[RawConfig, str, MtpKeyLayout], ModelConfig]  # (fields, architecture, MTP layout)
     decoder_layer: type[nn.Module]  # a target block: (config, layer_id)
-    mtp_layer: type[nn.Module]  # an MTP layer: (config, layer_id)
+    mtp_layer: type[nn.Module] | None  # an MTP layer: (config, layer_id); None: the family has none
     norm: type[nn.Module] = RMSNorm  # the final norm: (size, eps)
 
 
 FAMILIES = {
     glm4_moe.ARCHITECTURE: ModelFamily(glm4_moe.read_config, glm4_moe.DecoderLayer, glm4_moe.MtpLayer),
+    qwen3.ARCHITECTURE: ModelFamily(qwen3.read_config, qwen3.DecoderLayer, None),
     **{
         architecture: ModelFamily(deepseek_v3.read_mla_config, deepseek_v3.DecoderLayer, deepseek_v3.MtpLayer)
         for architecture in deepseek_v3.ARCHITECTURES
