@@ -1,7 +1,8 @@
-"""Acceptance on a demo model, in the pipeline runtime, for each drafter loading policy.
+"""Acceptance on a demo model, in the pipeline runtime, healthy at k 1-5 and for each broken loading (each
+drafter's own faults: MTP embedding and head; DSpark's also the Markov head and the taps).
 
-    python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid] [--pp 4] [--prompts 16] [--new-tokens 64]
-        [--json runs/acceptance.json]
+    python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid|demo-dspark] [--pp 4] [--prompts 16]
+        [--new-tokens 64] [--k 3] [--json runs/acceptance.json]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).
 """
@@ -22,14 +23,27 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.demo_corpus import held_out_prompts
 
+# Each broken loading: the RuntimeOptions that reproduce it.
 BROKEN = [
-    ("engine-legacy", "fixed", "empty"),
-    ("engine-legacy", "fixed", "zeros"),
-    ("engine-legacy", "fixed", "nan"),
-    ("engine-legacy", "fixed", "stale"),
-    ("alias-placeholder", "fixed", "empty"),
-    ("fixed", "unloaded", "nan"),
+    dict(drafter_policy="engine-legacy", fill="empty"),
+    dict(drafter_policy="engine-legacy", fill="zeros"),
+    dict(drafter_policy="engine-legacy", fill="nan"),
+    dict(drafter_policy="engine-legacy", fill="stale"),
+    dict(drafter_policy="alias-placeholder"),
+    dict(head_policy="unloaded", fill="nan"),
 ]
+DSPARK_BROKEN = [
+    *BROKEN,
+    dict(markov_policy="unloaded", fill="zeros"),
+    dict(markov_policy="unloaded", fill="nan"),
+    dict(markov_policy="unloaded", fill="empty"),
+    dict(tap_policy="local-only"),
+    dict(tap_policy="off-by-one"),
+]
+
+
+def label(faults: dict) -> str:
+    return ", ".join(f"{name.removesuffix('_policy')} {value}" for name, value in faults.items()) or "fixed"
 
 
 def main() -> None:
@@ -40,6 +54,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--k", type=int, default=None, help="draft tokens of the broken rows (default: 5 for DSpark, else 3)"
+    )
     parser.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
     args = parser.parse_args()
     tokenizer = Tokenizer.from_file(str(DEMO_MODELS[args.model] / "tokenizer.json"))
@@ -48,40 +65,30 @@ def main() -> None:
     rows = []
     with Engine(RuntimeOptions(args.model, pp=args.pp), show_progress=True) as engine:
         plain = engine.generate(prompts, args.new_tokens).tokens
+        broken_k = args.k or (5 if engine.drafter_checkpoint else 3)
         for k in range(1, 6):
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
-            rows.append(("fixed", "fixed", "-", k, result.tokens == plain, result.metrics.to_dict()))
-    for policy, head, fill in BROKEN:
-        options = RuntimeOptions(args.model, pp=args.pp, drafter_policy=policy, head_policy=head, fill=fill)
-        with Engine(options, show_progress=True) as engine:
+            rows.append(("fixed", k, result.tokens == plain, result.metrics.to_dict()))
+        faults = DSPARK_BROKEN if engine.drafter_checkpoint else BROKEN
+    for fault in faults:
+        with Engine(RuntimeOptions(args.model, pp=args.pp, **fault), show_progress=True) as engine:
             try:
-                result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=3)
-                rows.append((policy, head, fill, 3, result.tokens == plain, result.metrics.to_dict()))
+                result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=broken_k)
+                rows.append((label(fault), broken_k, result.tokens == plain, result.metrics.to_dict()))
             except PipelineError as crash:  # an aliased placeholder fails the first draft step, as in vLLM
-                rows.append((policy, head, fill, 3, None, {"crash": str(crash).splitlines()[0]}))
+                rows.append((label(fault), broken_k, None, {"crash": str(crash).splitlines()[0]}))
 
     table = Table(
         title=f"{args.model}, PP {args.pp}, {args.prompts} held-out prompts x {args.new_tokens} tokens, greedy"
     )
-    for column in (
-        "embedding policy",
-        "head policy",
-        "fill",
-        "k",
-        "lossless",
-        "acceptance rate",
-        "mean acceptance length*",
-        "per-position rates",
-    ):
+    for column in ("loading", "k", "lossless", "acceptance rate", "mean acceptance length*", "per-position rates"):
         table.add_column(column)
-    for policy, head, fill, k, lossless, m in rows:
+    for loading, k, lossless, m in rows:
         if "crash" in m:
-            table.add_row(policy, head, fill, str(k), "crashed", "-", "-", m["crash"][:60])
+            table.add_row(loading, str(k), "crashed", "-", "-", m["crash"][:60])
             continue
         table.add_row(
-            policy,
-            head,
-            fill,
+            loading,
             str(k),
             "yes" if lossless else "NO",
             f"{m['acceptance_rate']:.1%}",
@@ -92,7 +99,7 @@ def main() -> None:
     console.print(table)
     console.print("* mean acceptance length = 1 + accepted / drafts: it counts the bonus token.")
     console.print(f"machine: {machine()}")
-    keys = ("embedding_policy", "head_policy", "fill", "k", "lossless", "metrics")
+    keys = ("loading", "k", "lossless", "metrics")
     rows_json = [dict(zip(keys, row, strict=True)) for row in rows]
     write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "rows": rows_json})
 

@@ -1,7 +1,10 @@
 """Time to verdict: `specdoctor check --model demo --pp 4 --repair` as a user runs it, process
 start-up included, stage by stage, with the before/after table it reports.
 
-    python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid] [--pp 4] [--k 3] [--json runs/check_demo.json]
+    python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid|demo-dspark] [--pp 4] [--k K]
+        [--json runs/check_demo.json]
+
+--k defaults to check's own default: 3, or a block drafter's block size.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DEMO_MODELS), default="demo")
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--k", type=int, help="--num-speculative-tokens (check's default when not given)")
     parser.add_argument("--json", type=Path, default=Path("runs/check_demo.json"))
     args = parser.parse_args()
     command = [
@@ -36,8 +39,7 @@ def main() -> None:
         args.model,
         "--pp",
         str(args.pp),
-        "--num-speculative-tokens",
-        str(args.k),
+        *(["--num-speculative-tokens", str(args.k)] if args.k else []),
         "--repair",
         "--json",
         "-",

@@ -28,6 +28,7 @@ serve --model /nonexistent/model
 probe --url http://127.0.0.1:9
 inspect --model /nonexistent/model
 generate --model /nonexistent/model --prompt x
+generate --model demo-dspark --prompt x --speculative-model /nonexistent/drafter
 bench --model /nonexistent/model
 ARGS
 rm -rf "$(dirname "$venv")"

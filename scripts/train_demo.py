@@ -9,11 +9,15 @@ and Python version. Runs on the CPU:
     python -m scripts.train_demo --out specdoctor/demo_model --steps 2400
     python -m scripts.train_demo --demo demo-mla --out specdoctor/demo_mla_model --steps 3600
     python -m scripts.train_demo --demo demo-hybrid --out specdoctor/demo_hybrid_model --steps 3600
+    python -m scripts.train_demo --demo demo-dspark --out specdoctor/demo_dspark_model \
+        --drafter-out specdoctor/demo_dspark_drafter --steps 3600
 
 The MTP layer is trained jointly with the next-token objective to predict token t+2
 (DeepSeek-V3's MTP loss), plus two chained steps (the MTP fed its own hidden state) so that
 k > 1 drafts are useful. The checkpoint is written the way the GLM-5 family ships: bf16 shards,
-an index, and the embedding only at `model.embed_tokens.weight`.
+an index, and the embedding only at `model.embed_tokens.weight`. `demo-dspark` is a dense Qwen3
+target with a DSpark block drafter, a checkpoint of its own without embedding or head
+(scripts/dspark_training.py).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from scripts import dspark_training
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.keys import drafter_layer_key, is_drafter_head
+from specdoctor.runtime.models.dspark import read_dspark_config
 from specdoctor.runtime.models.layers import Router
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.registry import read_config
@@ -129,8 +135,15 @@ DEMOS = {
 }
 
 
+DSPARK_DEMO = "demo-dspark"
+# Qwen pads its vocabulary past the tokenizer's; demo-dspark's mask token is the first padded row.
+VOCAB_PADDING = 64
+
+
 def demo_config(demo: str, vocab_size: int, eos_id: int) -> dict:
     ids = {"eos_token_id": eos_id, "bos_token_id": eos_id, "pad_token_id": eos_id}
+    if demo == DSPARK_DEMO:
+        return {**dspark_training.TARGET_FIELDS, "vocab_size": vocab_size, **ids}
     return {**DEMOS[demo], **MOE_FIELDS, "vocab_size": vocab_size, **ids}
 
 
@@ -157,6 +170,8 @@ def encode_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
 class DemoModel(torch.nn.Module):
     """Target and drafter trained together; the drafter shares the target's embedding and head."""
 
+    loss_names = ("main", "mtp0", "mtp1", "mtp2")
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.target = TargetStage(config, range(config.num_hidden_layers), True, True)
@@ -167,6 +182,10 @@ class DemoModel(torch.nn.Module):
         for param in self.parameters():
             if param.dim() >= 2:
                 torch.nn.init.normal_(param, std=0.02)
+
+    def held_out(self, prompts: list[list[int]], new_tokens: int) -> str:
+        acceptance = position0_acceptance(self.target, self.drafter, prompts, new_tokens)
+        return f"held-out greedy MTP acceptance at position 0: {acceptance:.1%}"
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[float]]:  # batch: [B, T]
         length = batch.shape[1]
@@ -209,15 +228,47 @@ def track_loads(model: torch.nn.Module) -> dict[Router, torch.Tensor]:
 
 
 def save_checkpoint(model: DemoModel, config: dict, tokenizer: Tokenizer, out: Path, shard_bytes: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.safetensors"):
-        old.unlink()
     tensors = dict(model.target.state_dict())
     layout = model.drafter.config.mtp_keys
     for name, value in model.drafter.state_dict().items():
         # The embedding stays only at the top-level key; a layout without an own head takes lm_head.
         if name.startswith("layers.") and (layout.own_head or not is_drafter_head(name)):
             tensors[drafter_layer_key(model.drafter.config, name)] = value
+    write_shards(tensors, out, shard_bytes)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_tokenizer(tokenizer, out)
+
+
+def save_dspark(
+    model, config: dict, drafter_config: dict, tokenizer: Tokenizer, out: Path, drafter_out: Path, shard_bytes: int
+) -> None:
+    """The target as Qwen3 ships, and the drafter as a checkpoint of its own without the embedding and head
+    it shares with the target (as DSpark checkpoints ship)."""
+    for directory, tensors, fields in (
+        (out, model.target.state_dict(), config),
+        (drafter_out, drafter_tensors(model), drafter_config),
+    ):
+        write_shards(dict(tensors), directory, shard_bytes)
+        (directory / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
+    save_tokenizer(tokenizer, out)
+
+
+def drafter_tensors(model) -> dict[str, torch.Tensor]:
+    shared = ("embed_tokens.weight", "lm_head.weight")
+    return {name: value for name, value in model.drafter.state_dict().items() if name not in shared}
+
+
+def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def write_shards(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> None:
+    """bf16 safetensors shards of at most `shard_bytes` and their index, replacing any shards there."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
     # bf16 like the real checkpoints, except the router's score-correction bias, which they keep in fp32.
     tensors = {
         k: v.detach()
@@ -243,16 +294,44 @@ def save_checkpoint(model: DemoModel, config: dict, tokenizer: Tokenizer, out: P
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS}
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def train(model, label: str, loss_of, parameters, steps: int, lr: float, stream, args, generator, loads, watch) -> None:
+    """AdamW on `parameters` for `steps` batches of the stream, with warm-up and a cosine decay."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    )
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), TextColumn("{task.fields[loss]}")) as progress:
+        task = progress.add_task(label, total=steps, loss="")
+        for step in range(steps):
+            offsets = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch,), generator=generator)
+            batch = torch.stack([stream[o : o + args.seq_len] for o in offsets.tolist()])
+            loss, parts = loss_of(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            schedule.step()
+            with torch.no_grad():
+                balance_routers(loads)
+            progress.update(task, advance=1, loss=f"loss {loss.item():.3f}")
+            if step % 200 == 0 or step == steps - 1:
+                shown = " ".join(f"{p:.3f}" for p in parts)
+                names = ", ".join(model.loss_names)
+                progress.console.print(f"{label} {step:5d} loss {loss.item():.3f} [{names}: {shown}]", markup=False)
+            if step % 600 == 599:
+                model.eval()
+                progress.console.print(f"{label} {step:5d} {model.held_out(watch, 32)} (8 prompts)", markup=False)
+                model.train()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--demo", choices=sorted(DEMOS), default="demo", help="which demo model to train")
+    parser.add_argument("--demo", choices=sorted([*DEMOS, DSPARK_DEMO]), default="demo", help="which demo to train")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--drafter-out", type=Path, help="demo-dspark: where its drafter checkpoint goes")
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -260,58 +339,60 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-mb", type=float, default=4.0)
+    parser.add_argument("--drafter-steps", type=int, default=0, help="demo-dspark: then the drafter alone")
+    parser.add_argument("--drafter-lr", type=float, default=2e-3)
     args = parser.parse_args()
+    if (args.demo == DSPARK_DEMO) != (args.drafter_out is not None):
+        parser.error("--drafter-out goes with --demo demo-dspark, and only with it")
     torch.manual_seed(args.seed)
 
     train_files, held_files = corpus_files()
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
     stream = encode_stream(tokenizer, train_texts)
+    if args.demo == DSPARK_DEMO:  # added after encoding: the text never holds it, the merges are the others'
+        tokenizer.add_special_tokens([dspark_training.MASK])
     held = encode_stream(tokenizer, held_texts)
     print(
         f"train files {len(train_files)} tokens {len(stream):,}; held-out files {len(held_files)} tokens {len(held):,}"
     )
 
-    raw_config = demo_config(args.demo, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS))
-    model = DemoModel(read_config(raw_config))
+    vocab = -(-tokenizer.get_vocab_size() // VOCAB_PADDING) * VOCAB_PADDING
+    raw_config = demo_config(args.demo, vocab, tokenizer.token_to_id(EOS))
+    if args.demo == DSPARK_DEMO:
+        mask = tokenizer.token_to_id(dspark_training.MASK)
+        drafter_config = {**dspark_training.DRAFTER_FIELDS, "vocab_size": vocab, "mask_token_id": mask}
+        model = dspark_training.DSparkDemoModel(read_config(raw_config), read_dspark_config(drafter_config), args.seed)
+    else:
+        model = DemoModel(read_config(raw_config))
     loads = track_loads(model)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-    )
     generator = torch.Generator().manual_seed(args.seed)
+    watch = [held[o : o + 64].tolist() for o in range(0, 8 * 997, 997)]  # a quick held-out reading as it trains
     start = time.time()
-    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), TextColumn("{task.fields[loss]}")) as progress:
-        task = progress.add_task("training", total=args.steps, loss="")
-        for step in range(args.steps):
-            offsets = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch,), generator=generator)
-            batch = torch.stack([stream[o : o + args.seq_len] for o in offsets.tolist()])
-            loss, parts = model.loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            with torch.no_grad():
-                balance_routers(loads)
-            progress.update(task, advance=1, loss=f"loss {loss.item():.3f}")
-            if step % 200 == 0 or step == args.steps - 1:
-                shown = " ".join(f"{p:.3f}" for p in parts)
-                progress.console.print(
-                    f"step {step:5d} loss {loss.item():.3f} [main, mtp0, mtp1, mtp2: {shown}]", markup=False
-                )
+    phases = [("training", model.loss, model.parameters, args.steps, args.lr)]
+    if args.demo == DSPARK_DEMO and args.drafter_steps:  # then the drafter alone, on the frozen target
+        phases.append(("drafter", model.drafter_loss, model.drafter_only, args.drafter_steps, args.drafter_lr))
+    for label, loss_of, parameters_of, steps, lr in phases:
+        train(model, label, loss_of, list(parameters_of()), steps, lr, stream, args, generator, loads, watch)
+        # Saved after each phase, so a later one can be stopped without losing the earlier one's weights.
+        save(model, args, raw_config, drafter_config if args.demo == DSPARK_DEMO else None, tokenizer, held, start)
 
+
+def save(model, args, raw_config: dict, drafter_config: dict | None, tokenizer: Tokenizer, held, start: float) -> None:
     model.eval()
-    generator.manual_seed(args.seed + 1)
-    offsets = torch.randint(0, len(held) - 64, (32,), generator=generator).tolist()
+    offsets = torch.randint(0, len(held) - 64, (32,), generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
     prompts = [held[o : o + 64].tolist() for o in offsets]
-    acceptance = position0_acceptance(model.target, model.drafter, prompts, 64)
-    print(f"held-out greedy MTP acceptance at position 0: {acceptance:.1%} (32 prompts x 64 tokens)")
-    save_checkpoint(model, raw_config, tokenizer, args.out, int(args.shard_mb * 1024 * 1024))
-    size = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"saved {args.out} ({size / 1e6:.1f} MB) after {time.time() - start:.0f}s")
+    print(f"{model.held_out(prompts, 64)} (32 prompts x 64 tokens)")
+    shard_bytes = int(args.shard_mb * 1024 * 1024)
+    if drafter_config is not None:
+        save_dspark(model, raw_config, drafter_config, tokenizer, args.out, args.drafter_out, shard_bytes)
+    else:
+        save_checkpoint(model, raw_config, tokenizer, args.out, shard_bytes)
+    for directory in filter(None, (args.out, args.drafter_out)):
+        size = sum(p.stat().st_size for p in directory.iterdir())
+        print(f"saved {directory} ({size / 1e6:.1f} MB) after {time.time() - start:.0f}s")
+    model.train()
 
 
 if __name__ == "__main__":

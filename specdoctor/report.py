@@ -24,11 +24,13 @@ class Finding:
     data: dict = field(default_factory=dict)
 
 
-# The two independent kinds of evidence about a drafter: its weights' content against the checkpoint,
-# and its behaviour. The runtime's own provenance label is context, not evidence about an engine.
-CONTENT_SIGNALS = ("drafter.alias", "drafter.stats", "drafter.fingerprint")
+# The two independent kinds of evidence about a drafter: its weights' content against the checkpoint (and,
+# for a block drafter, its taps' content against the target layers' states), and its behaviour. The runtime's
+# own provenance label is context, not evidence about an engine.
+CONTENT_SIGNALS = ("drafter.alias", "drafter.stats", "drafter.fingerprint", "drafter.taps")
 BEHAVIOUR_SIGNALS = (
     "behaviour.acceptance",
+    "behaviour.block",
     "behaviour.constant_proposals",
     "behaviour.crash",
     "behaviour.lossless",

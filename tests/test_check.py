@@ -137,11 +137,22 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
         ("demo-mla", 4, "fixed"),
         ("demo-hybrid", 4, "fixed"),
         ("demo-w4a16", 4, "fixed"),
+        ("demo-dspark", 1, "engine-legacy"),
+        ("demo-dspark", 4, "fixed"),
     ],
-    ids=["pp1-legacy", "pp4-fixed", "mla-pp4-fixed", "hybrid-pp4-fixed", "w4a16-pp4-fixed"],
+    ids=[
+        "pp1-legacy",
+        "pp4-fixed",
+        "mla-pp4-fixed",
+        "hybrid-pp4-fixed",
+        "w4a16-pp4-fixed",
+        "dspark-pp1-legacy",
+        "dspark-pp4-fixed",
+    ],
 )
 def test_healthy_configurations_have_no_error_findings(model, pp, policy):
-    report = run_check(check_options(model, pp, None, 3, policy, "engine-legacy"), show_progress=False)
+    k = None if model == "demo-dspark" else 3  # a DSpark drafter drafts its block size by default
+    report = run_check(check_options(model, pp, None, k, policy, "engine-legacy"), show_progress=False)
     errors = [f for f in report.all_findings() if f.severity == "error"]
     assert not errors, errors
     assert report.stages[0].behaviour["battery"] == "9/9"

@@ -44,8 +44,14 @@ def test_vllm_spellings_run_the_same_engine_as_the_short_flags():
     "flags, message",
     [
         (("--speculative-config", "{not json"), "--speculative-config is not valid JSON"),
-        (("--speculative-config", '{"method":"ngram","num_speculative_tokens":2}'), "method 'ngram' is not an MTP"),
-        (("--speculative-config", '{"method":"mtp","num_speculative_tokens":2,"model":"x"}'), "model not supported"),
+        (("--speculative-config", '{"method":"ngram","num_speculative_tokens":2}'), "method 'ngram' is not run"),
+        (
+            ("--speculative-config", '{"method":"mtp","num_speculative_tokens":2,"model":"x"}'),
+            "'mtp' takes no \"model\"",
+        ),
+        (("--speculative-config", '{"method":"dspark","num_speculative_tokens":2}'), "'dspark' needs \"model\""),
+        (("--speculative-config", '{"method":"mtp","num_speculative_tokens":2,"eta":1}'), "eta not supported"),
+        (("--speculative-model", "/nonexistent/drafter"), "drafter directory not found"),
         (("--speculative-config", '{"method":"mtp"}'), "num_speculative_tokens must be an integer"),
         (
             ("--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens":2}'),
@@ -62,6 +68,14 @@ def test_bad_runtime_flags_exit_2_with_one_line(flags, message):
     assert result.returncode == 2, result.stdout
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_speculative_config_takes_a_dspark_drafter_checkpoint():
+    config = json.dumps({"method": "dspark", "model": "/models/drafter", "num_speculative_tokens": 5})
+    assert options_from_speculative_config(config) == {
+        "num_speculative_tokens": 5,
+        "speculative_model": "/models/drafter",
+    }
 
 
 def test_speculative_config_accepts_every_mtp_method_name_vllm_registers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from specdoctor.checks.acceptance import acceptance_findings, bigram_baseline
+from specdoctor.checks.acceptance import acceptance_findings, bigram_baseline, block_findings
 from specdoctor.report import Finding
 
 CONSTANT_PROPOSALS_MIN_COUNT = 20  # drafts needed before their spread means anything
@@ -39,13 +39,16 @@ def run_battery(
     recurrent = sum(config.is_linear_attention(i) for i in range(config.num_hidden_layers))
     profile = proposal_profile(result.proposals)
     baseline = bigram_baseline(plain)  # how predictable the target's own output is, token by token
+    findings = behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent)
+    if engine.drafter_checkpoint is not None:  # a block drafter: the shape of its block
+        findings += block_findings("behaviour", metrics["per_position_acceptance_rate"], baseline, stage)
     return {
         "battery": f"{sum(lossless)}/{len(lossless)}",
         "lossless": lossless,
         "metrics": metrics,
         "proposals": profile,
         "bigram_baseline": baseline,
-        "findings": behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent),
+        "findings": findings,
     }
 
 

@@ -44,8 +44,10 @@ def provenance_finding(unfilled: list[str], stage: str) -> Finding:
 
 
 # An embedding or head whose rows are (nearly) all zero or all the same proposes one token whatever the
-# context: true of any model, with or without the checkpoint to compare against.
+# context (a Markov table adds the same bias after every token): true of any model, with or without the
+# checkpoint to compare against.
 DEGENERATE_FRACTION = 0.99
+TABLES = ("embed_tokens.weight", "shared_head.head.weight", "lm_head.weight", "markov_w1.weight", "markov_w2.weight")
 
 
 def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
@@ -107,7 +109,7 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
 
 def degenerate(name: str, stats: dict) -> str | None:
     """Why an embedding or head table cannot be a trained one, or None."""
-    if not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+    if not name.endswith(TABLES):
         return None
     if stats.get("zero_fraction", 0.0) >= DEGENERATE_FRACTION:
         return f"{stats['zero_fraction']:.0%} of its values are zero"

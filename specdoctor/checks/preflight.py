@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from specdoctor.checks.dspark import dspark_preflight
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.architectures import ARCHITECTURES
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint
 from specdoctor.runtime.drafter.keys import (
     TARGET_HEAD,
     drafter_embedding_key,
@@ -20,13 +21,20 @@ from specdoctor.runtime.partition import Placement
 FLOAT_DTYPES = {"F32", "BF16", "F16"}
 
 
-def preflight(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
-    findings = config_sanity(checkpoint) + mtp_tensors(checkpoint) + embedding_source(checkpoint, ranks)
+def preflight(
+    checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterCheckpoint | None = None
+) -> list[Finding]:
+    """`drafter`: a drafter checkpoint of its own (DSpark) that drafts for this target instead of MTP layers."""
+    findings = config_sanity(checkpoint, drafter is not None)
+    if drafter is None:
+        findings += mtp_tensors(checkpoint) + embedding_source(checkpoint, ranks)
+    else:
+        findings += dspark_preflight(drafter, checkpoint, ranks)
     findings += engine_placement(checkpoint, ranks) + quantization(checkpoint)
     return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
 
 
-def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
+def config_sanity(checkpoint: Checkpoint, block_drafter: bool = False) -> list[Finding]:
     cfg, tensors = checkpoint.config, checkpoint.tensors
     findings = []
     embedding = tensors.get(target_embedding_key(checkpoint))
@@ -63,7 +71,7 @@ def config_sanity(checkpoint: Checkpoint) -> list[Finding]:
         findings.append(
             Finding("config.lm_head", "error", f"lm_head.weight has shape {head.shape}, expected {expected}")
         )
-    if cfg.num_nextn_predict_layers == 0:
+    if cfg.num_nextn_predict_layers == 0 and not block_drafter:
         findings.append(
             Finding(
                 "config.mtp",

@@ -21,9 +21,10 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.report import CheckReport, Finding, StageResult, acceptance_row, findings_table, render_verdict
 from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
 
-# What an unpatched engine does with this checkpoint at this PP size.
+# What an unpatched engine does with this checkpoint at this PP size; the draft tokens are resolved once
+# the drafter is known (a DSpark drafter's block size, else 3).
 CHECK_DEFAULTS = dict(
-    num_speculative_tokens=3, drafter_policy=EmbeddingPolicy.ENGINE_LEGACY, head_policy=HeadPolicy.ENGINE_LEGACY
+    num_speculative_tokens=None, drafter_policy=EmbeddingPolicy.ENGINE_LEGACY, head_policy=HeadPolicy.ENGINE_LEGACY
 )
 
 
@@ -37,7 +38,7 @@ class CheckOptions:
     tp_rank: int = 0  # the TP rank whose vocab shard of the repair is checked (size: runtime.tp)
 
     def validate(self) -> None:
-        if not 1 <= self.runtime.num_speculative_tokens:
+        if self.runtime.num_speculative_tokens < 1:
             raise SpecdoctorError(
                 f"--num-speculative-tokens must be in 1..8, got {self.runtime.num_speculative_tokens}"
             )
@@ -46,6 +47,8 @@ class CheckOptions:
         if self.max_tokens < 1:
             raise SpecdoctorError("--max-tokens must be at least 1")
 
+
+TAP_PROBE_TOKENS = 16  # of the first battery prompt, through the pipeline once per stage
 
 RepairFlag = Annotated[bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")]
 MaxTokensOption = Annotated[int, typer.Option(help="Tokens generated per battery prompt.")]
@@ -79,25 +82,38 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     # Imported here: the CLI itself starts without torch (probe and --help need none).
     from specdoctor.checks.own_copies import own_copy_findings
     from specdoctor.checks.preflight import preflight
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint, drafter_checkpoint_path
+    from specdoctor.runtime.drafter.block import default_speculative_tokens
     from specdoctor.runtime.drafter.repair import vocab_shard_range
     from specdoctor.runtime.partition import placements
 
+    runtime = options.runtime
+    checkpoint = Checkpoint(runtime.model)
+    drafter_path = drafter_checkpoint_path(runtime.model, runtime.speculative_model)
+    drafter = DrafterCheckpoint(drafter_path) if drafter_path else None
+    if runtime.num_speculative_tokens is None:
+        runtime = dataclasses.replace(runtime, num_speculative_tokens=default_speculative_tokens(drafter))
+    options = dataclasses.replace(options, runtime=runtime)
     options.validate()
-    checkpoint = Checkpoint(options.runtime.model)
-    vocab_shard_range(checkpoint.config.vocab_size, options.runtime.tp, options.tp_rank)  # a TP size vLLM refuses
-    ranks = placements(checkpoint.config, options.runtime.pp, options.runtime.pp_partition)
-    settings = {**settings_dict(options.runtime), **settings_dict(options)}
+    vocab_shard_range(checkpoint.config.vocab_size, runtime.tp, options.tp_rank)  # a TP size vLLM refuses
+    ranks = placements(checkpoint.config, runtime.pp, runtime.pp_partition, block_drafter=drafter is not None)
+    settings = {**settings_dict(runtime), **settings_dict(options)}
     # Pre-flight reads headers only; an MTP layer's own copies are compared with the target's rows too.
-    findings = preflight(checkpoint, ranks) + own_copy_findings(checkpoint)
+    findings = preflight(checkpoint, ranks, drafter) + own_copy_findings(checkpoint)
     report = CheckReport(str(checkpoint.path), settings, [placement_row(r) for r in ranks], findings)
-    if checkpoint.config.num_nextn_predict_layers == 0:
+    if not (checkpoint.config.num_nextn_predict_layers or drafter):
         return report  # nothing to run: the pre-flight error says why
-    if checkpoint.unrunnable_reason():
-        report.preflight.append(runtime_skipped(checkpoint.unrunnable_reason()))
+    unrunnable = checkpoint.unrunnable_reason() or (drafter and drafter.unrunnable_reason()) or pairing_error(report)
+    if unrunnable:
+        report.preflight.append(runtime_skipped(unrunnable))
         return report
     run_stages(report, options, checkpoint, show_progress)
     return report
+
+
+def pairing_error(report: CheckReport) -> str | None:
+    """A drafter that cannot draft for this target (the pre-flight's error): nothing to run."""
+    return next((f.message for f in report.preflight if f.check == "dspark.pairing"), None)
 
 
 def run_stages(report: CheckReport, options: CheckOptions, checkpoint, show_progress: bool) -> None:
@@ -162,12 +178,17 @@ class StageRunner:
     def run(self, name: str, policy: str) -> StageResult:
         from specdoctor.checks.behaviour import crashed_battery, run_battery
         from specdoctor.checks.drafter import drafter_findings
+        from specdoctor.checks.dspark import tap_findings
         from specdoctor.runtime.comm import PipelineError
 
         self.progress.update(self.task, description=f"{name}: inspecting the loaded drafter")
         state = self.engine.measure_drafter()
         findings, broken = drafter_findings(state, name)
         drafter = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
+        if self.engine.drafter_checkpoint is not None:  # a block drafter: which layer each tap really holds
+            readings = self.engine.probe_taps(self.prompts[0][:TAP_PROBE_TOKENS])
+            findings += tap_findings(readings, name)
+            drafter["taps"] = [dataclasses.asdict(reading) for reading in readings]
         self.progress.update(self.task, advance=1, description=f"{name}: battery with speculative decoding")
         options, k = self.options, self.options.runtime.num_speculative_tokens
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,7 @@ from specdoctor.commands.options import JsonFlagOption, ModelOption, runtime_fie
 from specdoctor.report import Finding, findings_table
 
 PipelineSizeOption = runtime_field_option("pp")
+SpeculativeModelOption = runtime_field_option("speculative_model")
 CONFIG_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -27,12 +29,19 @@ CONFIG_FIELDS = (
 )
 
 
-def inspect(model: ModelOption, pp: PipelineSizeOption = 1, as_json: JsonFlagOption = False) -> None:
+def inspect(
+    model: ModelOption,
+    pp: PipelineSizeOption = 1,
+    speculative_model: SpeculativeModelOption = None,
+    as_json: JsonFlagOption = False,
+) -> None:
     """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
-    keys, where the drafter's tensors live, the placement at --pp ranks and the pre-flight's findings."""
-    from specdoctor.runtime.checkpoint import Checkpoint
+    keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --pp ranks and the
+    pre-flight's findings."""
+    from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint, drafter_checkpoint_path
 
-    summary = summarize(Checkpoint(model), pp)
+    drafter_path = drafter_checkpoint_path(model, speculative_model)
+    summary = summarize(Checkpoint(model), pp, DrafterCheckpoint(drafter_path) if drafter_path else None)
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
@@ -46,7 +55,8 @@ def describe(info) -> dict | None:
     return {"key": info.key, "shard": info.shard, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes}
 
 
-def summarize(checkpoint, pp: int = 1) -> dict:
+def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
+    """`drafter`: a DSpark drafter checkpoint beside the target, or None."""
     from dataclasses import asdict
 
     from specdoctor.checks.preflight import preflight
@@ -76,7 +86,7 @@ def summarize(checkpoint, pp: int = 1) -> dict:
                 "missing": [k for k in expected if k not in tensors],
             }
         )
-    ranks = placements(config, pp)
+    ranks = placements(config, pp, block_drafter=drafter is not None)
     return {
         "path": str(checkpoint.path),
         "layout": checkpoint.layout,
@@ -96,8 +106,25 @@ def summarize(checkpoint, pp: int = 1) -> dict:
         "mtp_layers": mtp_layers,
         "mtp_layer_keys": [*layout.layer_keys, *(k for k in (layout.own_embedding, layout.own_head) if k)],
         "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
+        "block_drafter": block_drafter_summary(drafter),
         "placement": [placement_row(rank) for rank in ranks],
-        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks)],
+        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter)],
+    }
+
+
+def block_drafter_summary(drafter) -> dict | None:
+    if drafter is None:
+        return None
+    config = drafter.config
+    return {
+        "path": str(drafter.path),
+        "architecture": config.architecture,
+        "target_layer_ids": list(config.layer_ids),
+        "block_size": config.block_size,
+        "layers": config.num_layers,
+        "markov_rank": config.markov_rank,
+        "mask_token_id": config.mask_token_id,
+        "tensors": [describe(info) for _, info in sorted(drafter.tensors.items())],
     }
 
 
@@ -150,6 +177,9 @@ def drafter_table(summary: dict) -> Table:
     row("lm_head", summary["lm_head"])
     for key, info in summary["mtp_shared_tensors"].items():
         row("MTP (shared)", info, f"{key} [red]missing[/red]")
+    block = summary["block_drafter"]
+    for info in block["tensors"] if block else []:
+        row(f"DSpark {Path(block['path']).name}", info)
     for layer in summary["mtp_layers"]:
         label = f"MTP {layer['layer']}"
         for info in layer["tensors"]:

@@ -39,7 +39,8 @@ _TYPES = typing.get_type_hints(RuntimeOptions)
 def runtime_field_option(name: str, repeat: bool = False):
     """The typer annotation of one RuntimeOptions field (a list of values when `repeat`)."""
     spec = _FIELDS[name]
-    kind = list[_TYPES[name]] | None if repeat else _TYPES[name]
+    single = next(arg for arg in typing.get_args(_TYPES[name]) or (_TYPES[name],) if arg is not type(None))
+    kind = list[single] | None if repeat else _TYPES[name]
     return Annotated[
         kind, typer.Option(*spec.metadata["flags"], help=spec.metadata["help"], rich_help_panel=RUNTIME_PANEL)
     ]

@@ -38,7 +38,7 @@ class ServeOptions:
     max_waiting: int = 256
 
 
-@runtime_command(num_speculative_tokens=3)
+@runtime_command(num_speculative_tokens=None)  # MTP: 3; a DSpark drafter: its block size (vLLM's default)
 def serve(
     runtime: RuntimeOptions,
     host: HostOption = "127.0.0.1",
@@ -51,6 +51,9 @@ def serve(
     """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics; requests are
     batched continuously (they join and leave the running batch between decode steps)."""
     run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting))
+
+
+TAP_PROBE = list(range(1, 17))  # token ids for the startup tap probe (every vocabulary has them)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -66,16 +69,20 @@ def startup_check(engine, options: ServeOptions, console: Console) -> list:
     """Pre-flight and the loaded-drafter checks; repair what can be repaired unless told to serve as is.
     Returns the error findings that remain."""
     from specdoctor.checks.drafter import drafter_findings
+    from specdoctor.checks.dspark import tap_findings
     from specdoctor.checks.preflight import preflight
 
-    errors = [f for f in preflight(engine.checkpoint, engine.placements) if f.severity == "error"]
-    if options.runtime.num_speculative_tokens == 0 or engine.config.num_nextn_predict_layers == 0:
+    preflight_findings = preflight(engine.checkpoint, engine.placements, engine.drafter_checkpoint)
+    errors = [f for f in preflight_findings if f.severity == "error"]
+    if engine.options.num_speculative_tokens == 0 or not engine.speculates:
         return errors
     findings, broken = drafter_findings(engine.measure_drafter(), "startup")
     if broken and not options.allow_unhealthy:
         repair = engine.repair_drafter(broken)
         console.print(f"repaired {', '.join(repair.repaired)} from the checkpoint ({repair.bytes_read:,} bytes)")
         findings, _ = drafter_findings(engine.measure_drafter(), "startup")
+    if engine.drafter_checkpoint is not None:  # taps no repair can fix: the engine's wiring
+        findings += tap_findings(engine.probe_taps(TAP_PROBE), "startup")
     return errors + [f for f in findings if f.severity == "error"]
 
 
@@ -98,6 +105,7 @@ def run_serve(options: ServeOptions) -> None:
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
     check_port_free(options.host, options.port)
     engine = Engine(runtime, checkpoint, show_progress=True)
+    runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:
         errors = startup_check(engine, options, console)
         for finding in errors:
@@ -110,7 +118,7 @@ def run_serve(options: ServeOptions) -> None:
                 # layer may switch from gathered experts to every expert: another graph).
                 for batch in sorted({1, 2, options.max_num_seqs}):
                     engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=runtime.num_speculative_tokens)
-        name = runtime.model if runtime.model in DEMO_MODELS else checkpoint.path.name
+        name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
         speculative = runtime.num_speculative_tokens > 0
         metrics = ServerMetrics(name, speculative)
         template = chat_template(checkpoint.path)

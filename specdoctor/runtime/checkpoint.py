@@ -18,22 +18,27 @@ from typing import NamedTuple
 import torch
 
 from specdoctor.errors import CheckpointError
+from specdoctor.runtime.models.dspark import read_dspark_config
 from specdoctor.runtime.models.registry import FAMILIES, is_runnable, read_config
 from specdoctor.runtime.quantization import dequantize, quantization_scheme, scan
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # The demo models shipped with the package, by the name `--model` takes: GLM-4.5's layout, GLM-5's (MLA + DSA),
-# and the first quantised to W4A16 by llm-compressor (the seed deployment's scheme).
+# Qwen3.5-MoE's, the first quantised to W4A16 by llm-compressor (the seed deployment's scheme), and a dense
+# Qwen3 whose drafter is a DSpark checkpoint of its own (the default --speculative-model for it).
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 DEMO_MODELS = {
-    name: Path(__file__).resolve().parent.parent / folder
+    name: PACKAGE_DIR / folder
     for name, folder in (
         ("demo", "demo_model"),
         ("demo-mla", "demo_mla_model"),
         ("demo-hybrid", "demo_hybrid_model"),
         ("demo-w4a16", "demo_w4a16_model"),
+        ("demo-dspark", "demo_dspark_model"),
     )
 }
+DEMO_DRAFTERS = {"demo-dspark": PACKAGE_DIR / "demo_dspark_drafter"}
 DEMO_DIR = DEMO_MODELS["demo"]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -170,12 +175,14 @@ def _numel(shape) -> int:
 class Checkpoint:
     """A checkpoint directory; records which keys were read and how many bytes (for the loaders' proofs)."""
 
+    what = "model"
+
     def __init__(self, path: str | Path):
         self.path = resolve_model_path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: model directory not found")
+            raise CheckpointError(f"{self.path}: {self.what} directory not found")
         self.raw_config = read_json(self.path / "config.json", "config.json")
-        self.config = read_config(self.raw_config, str(self.path / "config.json"))
+        self.config = self.read_config(self.raw_config, str(self.path / "config.json"))
         self.layout, shard_of = self._weight_map()
         self.stored = self._scan_headers(shard_of)  # every tensor as the shards hold it
         self.quantization = quantization_scheme(self.raw_config, self.stored)  # None: floating-point weights
@@ -243,6 +250,10 @@ class Checkpoint:
             tensors[key] = TensorInfo(key, first.shard, weight.dtype, weight.shape, nbytes, -1)  # no byte range
         return tensors
 
+    @staticmethod
+    def read_config(raw, source: str):
+        return read_config(raw, source)
+
     def unrunnable_reason(self) -> str | None:
         """Why the runtime will not compute with this checkpoint, or None: an architecture it does not run,
         or quantised weights it does not dequantise (never cast without their scales)."""
@@ -250,6 +261,9 @@ class Checkpoint:
             return f"the runtime does not run this {self.config.architecture} config: {self.config.runtime_refusal}"
         if not is_runnable(self.config):
             return f"the runtime does not run {self.config.architecture} yet (it runs {', '.join(FAMILIES)})"
+        return self.quantization_refusal()
+
+    def quantization_refusal(self) -> str | None:
         if self.quantization_problems:
             more = len(self.quantization_problems) - 1
             return f"{self.quantization} weights: {self.quantization_problems[0]}" + (
@@ -314,3 +328,29 @@ class Checkpoint:
         self.keys_read.append(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+
+class DrafterCheckpoint(Checkpoint):
+    """A drafter that is a checkpoint of its own (DSpark, runtime/models/dspark.py): a config the runtime runs
+    or refuses outright, and its own tensors."""
+
+    what = "drafter"
+
+    @staticmethod
+    def read_config(raw, source: str):
+        return read_dspark_config(raw, source)
+
+    def unrunnable_reason(self) -> str | None:
+        return self.quantization_refusal()
+
+
+def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | None:
+    """The drafter checkpoint to open: the one asked for, else the one a demo model brings (named, or by its
+    directory), else None."""
+    if speculative_model is not None:
+        return speculative_model
+    path = resolve_model_path(model)
+    found = next(
+        (DEMO_DRAFTERS[name] for name, demo in DEMO_MODELS.items() if demo == path and name in DEMO_DRAFTERS), None
+    )
+    return str(found) if found else None

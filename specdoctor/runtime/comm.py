@@ -67,16 +67,17 @@ class PipelineComm:
             self._fan_out(self.world_size - 1, tensor, "the step decision")
         return tensor
 
-    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's `tensor` stacked [world_size, ...] on the first rank; None on the others."""
-        if self.rank != 0:
-            with self._talking_to(0, "sending step timings to"):
-                dist.send(tensor.contiguous(), 0)
+    def gather(self, tensor: torch.Tensor, root: int, what: str) -> torch.Tensor | None:
+        """Every rank's `tensor` stacked [world_size, ...] on `root`; None on the others."""
+        if self.rank != root:
+            with self._talking_to(root, f"sending {what} to"):
+                dist.send(tensor.contiguous(), root)
             return None
-        gathered = [tensor] + [torch.empty_like(tensor) for _ in range(1, self.world_size)]
-        for peer in range(1, self.world_size):
-            with self._talking_to(peer, "receiving step timings from"):
-                dist.recv(gathered[peer], peer)
+        gathered = [tensor if peer == root else torch.empty_like(tensor) for peer in range(self.world_size)]
+        for peer in range(self.world_size):
+            if peer != root:
+                with self._talking_to(peer, f"receiving {what} from"):
+                    dist.recv(gathered[peer], peer)
         return torch.stack(gathered)
 
     def broadcast_command(self, command: object = None) -> object:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import socket
 import time
 from multiprocessing.connection import wait as wait_for_any
@@ -20,6 +21,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.continuous import CANCEL, JOIN, RowUpdate
+from specdoctor.runtime.drafter.block import default_speculative_tokens, open_block_drafter
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.drafter.state import DrafterState
 from specdoctor.runtime.generation import (
@@ -33,6 +35,7 @@ from specdoctor.runtime.generation import (
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.tap_probe import TapReading
 from specdoctor.runtime.tokenizer import model_eos_token_ids
 from specdoctor.runtime.worker import rank_main
 
@@ -41,6 +44,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rank_context():
+    """Ranks fork from a server process that has imported the runtime (torch included) once: a rank then
+    starts in a fraction of a second instead of importing it all again, as a spawned one would. The server
+    never touches a device, so forking from it is as safe as spawning; it ends with this process."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["specdoctor.runtime.fork_preload"])
+    return context
 
 
 # What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).
@@ -68,14 +80,26 @@ class Engine:
         self.checkpoint = checkpoint or Checkpoint(options.model)
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
-        self.placements = placements(self.config, options.pp, options.pp_partition)
-        # Ranks open the resolved directory ("demo" and Hugging Face ids resolved once, here).
-        self.options = dataclasses.replace(options, model=str(self.checkpoint.path))
+        self.drafter_checkpoint = open_block_drafter(options.model, options.speculative_model, self.checkpoint)
+        if self.drafter_checkpoint:
+            self.drafter_checkpoint.require_runnable()
+        self.speculates = bool(self.config.num_nextn_predict_layers or self.drafter_checkpoint)
+        block = self.drafter_checkpoint is not None
+        self.placements = placements(self.config, options.pp, options.pp_partition, block_drafter=block)
+        # Ranks open the resolved directories ("demo" and Hugging Face ids resolved once, here).
+        drafter_path = str(self.drafter_checkpoint.path) if block else None
+        k = options.num_speculative_tokens
+        self.options = dataclasses.replace(
+            options,
+            model=str(self.checkpoint.path),
+            speculative_model=drafter_path,
+            num_speculative_tokens=default_speculative_tokens(self.drafter_checkpoint) if k is None else k,
+        )
         self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids, options.tokenizer)
         # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'
         # timeouts; the controller's own deadline covers a whole pipeline that falls silent.
         self.silence_limit_s = 2 * options.timeout + 5
-        context = mp.get_context("spawn")
+        context = rank_context()
         self._inbox = context.Queue()
         # One reply pipe per rank: a shared queue has a cross-process lock, and a rank stopped while
         # holding it would block every other rank's replies, error reports included.
@@ -85,7 +109,7 @@ class Engine:
         self._processes = [
             context.Process(
                 target=rank_main,
-                args=(self.options, rank, port, self._inbox if rank == 0 else None, writer),
+                args=(self.options, rank, port, self._inbox if rank == 0 else None, writer, dict(os.environ)),
                 name=f"specdoctor-rank-{rank}",
                 daemon=True,
             )
@@ -142,7 +166,7 @@ class Engine:
             stream=on_tokens is not None,
             draft_sample_method=self.options.draft_sample_method,
         )
-        check_request(request, self.config)
+        check_request(request, self.config, self.speculates)
         self._inbox.put(("generate", request))
         return self._wait_for("result", self.silence_limit_s, on_partial=on_tokens)[2]
 
@@ -152,13 +176,13 @@ class Engine:
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        check_speculative_tokens(k, self.config)
+        check_speculative_tokens(k, self.speculates)
         self.continuous_k = k
         self._inbox.put(("continuous", (k, self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC)))
 
     def join(self, request_id: str, sequence: SequenceRequest) -> None:
         """Queue a request to join the running batch before the next step (checked here, not on the ranks)."""
-        check_sequences([sequence], self.continuous_k, self.config)
+        check_sequences([sequence], self.continuous_k, self.config, self.speculates)
         self._inbox.put((JOIN, (request_id, sequence)))
 
     def cancel(self, request_id: str) -> None:
@@ -181,6 +205,15 @@ class Engine:
             raise PipelineError("the engine is closed")
         self._inbox.put(("score", prompts))
         return self._wait_for("logits", self.silence_limit_s)[2]
+
+    def probe_taps(self, prompt: list[int]) -> list[TapReading]:
+        """Which target layer each of a block drafter's taps holds, on `prompt` through the live pipeline."""
+        if self.drafter_checkpoint is None:
+            raise SpecdoctorError("the tap probe needs a block drafter (a DSpark checkpoint)")
+        if self._closed:
+            raise PipelineError("the engine is closed")
+        self._inbox.put(("probe_taps", prompt))
+        return self._wait_for("probe_taps", self.silence_limit_s)[2]
 
     def measure_drafter(self) -> DrafterState:
         """What the live drafter holds, measured on its rank."""

@@ -22,13 +22,13 @@ from specdoctor.runtime.drafter.loading import Provenance
 from specdoctor.runtime.kv_cache import KVCache, new_cache
 from specdoctor.runtime.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.metrics import SpecMetrics
-from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
 from specdoctor.runtime.partition import Placement
 from specdoctor.runtime.rows import take_rows
 from specdoctor.runtime.sampling import RowSampler, SamplingParams
 from specdoctor.runtime.speculative import Drafts, commit, finish_device_work, speculative_step
+from specdoctor.runtime.taps import TapRoute
 from specdoctor.runtime.verify import PLACEHOLDER
 
 
@@ -92,19 +92,25 @@ STEP_PHASES = ("prefill_s", "decode_s", "target_s", "draft_s", "transfer_s", "ho
 class RankModel:
     placement: Placement
     stage: TargetStage
-    drafter: MtpDrafter | None
+    drafter: object | None  # on the drafter's rank: an MtpDrafter or a DSparkDrafter
     comm: PipelineComm
     device: torch.device
     dtype: torch.dtype
     checkpoint: Checkpoint | None = None
     provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
     state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
+    taps: TapRoute | None = None  # a block drafter's taps: this rank's part in moving them
+    drafter_checkpoint: Checkpoint | None = None  # a drafter that is a checkpoint of its own
+    speculates: bool = False  # the pipeline has a drafter (MTP layers, or a drafter checkpoint)
 
     def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
-        """A cache for this rank's layers, or for the drafter's MTP layers."""
+        """A cache for this rank's layers, or for the drafter's."""
+        if drafter:
+            return self.drafter.new_cache(batch, max_len, self.dtype, self.device)
         config = self.stage.config
-        layers = config.mtp_layer_ids if drafter else self.stage.layer_ids
-        return new_cache(config, layers, batch, max_len, self.dtype, self.device, drafter, self.state_rollback)
+        return new_cache(
+            config, self.stage.layer_ids, batch, max_len, self.dtype, self.device, False, self.state_rollback
+        )
 
 
 def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,18 +123,28 @@ def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
     return ids, lengths
 
 
-def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache):
-    """Run this rank's layers on a [B, T] step; the last rank gets hidden states [B, T, H], others None."""
-    placement, stage = model.placement, model.stage
+def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, captured=None):
+    """Run this rank's layers on a [B, T] step. The last rank gets (hidden states [B, T, H], a block drafter's
+    taps [B, T, taps, H] or None); the others (None, None). Taps travel with the hidden states (runtime/taps.py).
+    `captured`, when given, receives every entry this rank's stage captured (the tap probe)."""
+    placement, stage, route = model.placement, model.stage, model.taps
+    upstream: list[torch.Tensor] = []
     if placement.is_first:
         inputs = tokens
     else:
-        inputs = model.comm.recv_prev((*tokens.shape, stage.config.hidden_size), model.dtype)
-    hidden = stage(inputs, positions, cache)
+        received = route.received if route else 0
+        width = (1 + received,) if received else ()
+        inputs = model.comm.recv_prev((*tokens.shape, *width, stage.config.hidden_size), model.dtype)
+        if received:
+            inputs, *upstream = inputs.unbind(2)
+    hidden, own = stage.forward_with_taps(inputs, positions, cache)
+    if captured is not None:
+        captured.update(own)
     if placement.is_last:
-        return hidden
-    model.comm.send_next(hidden)
-    return None
+        return hidden, route.assemble(upstream, own, hidden) if route else None
+    sent = [*upstream, *(own[entry] for entry in route.own)] if route and route.sent else []
+    model.comm.send_next(torch.stack([hidden, *sent], dim=2) if sent else hidden)
+    return None, None
 
 
 @torch.no_grad()
@@ -136,22 +152,22 @@ def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | 
     """Target logits at every prompt position, [B, Lmax, V] on the last rank (rows past a prompt's end are padding)."""
     ids, _ = pad_right(prompts, model.device)
     positions = torch.arange(ids.shape[1], device=ids.device).expand(len(prompts), -1)
-    hidden = pipeline_pass(model, ids, positions, model.cache(len(prompts), ids.shape[1]))
+    hidden, _ = pipeline_pass(model, ids, positions, model.cache(len(prompts), ids.shape[1]))
     return None if hidden is None else model.stage.logits(hidden).float().cpu()
 
 
-def check_request(request: GenerateRequest, cfg: ModelConfig) -> None:
+def check_request(request: GenerateRequest, cfg: ModelConfig, speculates: bool) -> None:
     if len(request.limits()) != len(request.prompts):
         raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    check_sequences(request.sequences(), request.num_speculative_tokens, cfg)
+    check_sequences(request.sequences(), request.num_speculative_tokens, cfg, speculates)
 
 
-def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig) -> None:
+def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig, speculates: bool) -> None:
     if not sequences or any(len(s.prompt) == 0 for s in sequences):
         raise SpecdoctorError("every prompt needs at least one token")
     if min(s.max_new_tokens for s in sequences) < 1:
         raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    check_speculative_tokens(k, cfg)
+    check_speculative_tokens(k, speculates)
     longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
     if longest > cfg.max_position_embeddings:
         raise SpecdoctorError(
@@ -159,11 +175,15 @@ def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig) 
         )
 
 
-def check_speculative_tokens(k: int, cfg: ModelConfig) -> None:
+def check_speculative_tokens(k: int, speculates: bool) -> None:
+    """`speculates`: the pipeline has a drafter (the target's MTP layers, or a drafter checkpoint)."""
     if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise SpecdoctorError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
-    if k and cfg.num_nextn_predict_layers == 0:
-        raise SpecdoctorError("this model has no MTP layers (num_nextn_predict_layers = 0): no drafter to run")
+    if k and not speculates:
+        raise SpecdoctorError(
+            "this model has no MTP layers (num_nextn_predict_layers = 0) and no drafter checkpoint was given "
+            "(--speculative-model): no drafter to run"
+        )
 
 
 class BatchState:
@@ -210,11 +230,11 @@ class BatchState:
         model, batch = self.model, len(self.sequences)
         positions = torch.arange(self.ids.shape[1], device=model.device).expand(batch, -1)
         self.cache.begin(valid_end=self.lengths, keep_positions=False)
-        hidden = pipeline_pass(model, self.ids, positions, self.cache)
+        hidden, taps = pipeline_pass(model, self.ids, positions, self.cache)
         self.cache.commit(self.lengths - 1, torch.ones(batch, dtype=torch.bool, device=model.device))
         if model.placement.is_last:
             rows, last = torch.arange(batch, device=model.device), self.lengths - 1
-            final = model.stage.model.norm(hidden)  # [B, L, H]: the drafter is fed the final-normed states
+            final = model.stage.model.norm(hidden)  # [B, L, H]: an MTP drafter is fed the final-normed states
             logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
             first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
@@ -225,7 +245,7 @@ class BatchState:
                 next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
                     1, last[:, None], first[:, 1:2]
                 )
-                self.drafts.propose(next_tokens, final, positions, base=last)
+                self.drafts.propose(next_tokens, final if taps is None else taps, positions, base=last)
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
         model.comm.broadcast_from_last(self.decision)
         self.commit(count_metrics=False)
@@ -236,10 +256,11 @@ class BatchState:
         pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
         positions = self.filled[:, None] + torch.arange(k + 1, device=model.device)  # [B, k+1]
         self.cache.begin(valid_end=None, keep_positions=True)  # the accepted count is known only after
-        hidden = pipeline_pass(model, pending_and_drafts, positions, self.cache)
+        hidden, taps = pipeline_pass(model, pending_and_drafts, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
-            self.decision = speculative_step(logits, final, positions, self.drafts, self.sampler)
+            features = final if taps is None else taps  # what the drafter reads (Drafts.propose)
+            self.decision = speculative_step(logits, features, positions, self.drafts, self.sampler)
             self.note_logprobs(logits)
         model.comm.broadcast_from_last(self.decision)
         finish_device_work(model.device)
@@ -287,7 +308,7 @@ class BatchState:
 def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> GenerateResult:
     """Run one batch of prompts to completion; every rank returns the same result.
     `on_step(result)` sees the result as it grows, after every step (for streaming)."""
-    check_request(request, model.stage.config)
+    check_request(request, model.stage.config, model.speculates)
     sampled_drafts = request.draft_sample_method == DraftSampleMethod.PROBABILISTIC
     state = BatchState(model, request.sequences(), request.num_speculative_tokens, sampled_drafts)
     times = dict.fromkeys(STEP_PHASES, 0.0)
@@ -318,9 +339,8 @@ def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> Ge
 
 def gather_times(comm: PipelineComm, times: dict[str, float]) -> list[dict[str, float]]:
     """Every rank's phase times, on the first rank (which reports the result); [] on the others."""
-    gathered = comm.gather_to_first(
-        torch.tensor([times[name] for name in STEP_PHASES], dtype=torch.float64, device=comm.device)
-    )
+    timings = torch.tensor([times[name] for name in STEP_PHASES], dtype=torch.float64, device=comm.device)
+    gathered = comm.gather(timings, 0, "step timings")
     if gathered is None:
         return []
     return [dict(zip(STEP_PHASES, row, strict=True)) for row in gathered.tolist()]

@@ -34,15 +34,17 @@ class KVCache:
         }
         self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def plan(self, positions: torch.Tensor) -> None:
+    def plan(self, positions: torch.Tensor, whole_block: bool = False) -> None:
         """Before each forward over the cache (its entry point calls this once, outside any compiled
-        region): the batch rows and the causal mask [B, 1, T, span] every layer of that forward uses."""
+        region): the batch rows and the mask [B, 1, T, span] every layer of that forward uses. Causal by
+        absolute position: a query sees every key at or before its own position; with `whole_block` (a block
+        drafter's non-causal block) every query of a row sees every key up to the row's last position."""
         span = int(positions.max()) + 1
         if span > self.max_len:
             raise ValueError(f"position {span - 1} is beyond the KV cache length {self.max_len}")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        # Causal by absolute position: a query sees every key at or before its own position.
-        mask = torch.arange(span, device=positions.device) <= positions[:, None, :, None]
+        last = positions.amax(dim=1, keepdim=True).expand_as(positions) if whole_block else positions
+        mask = torch.arange(span, device=positions.device) <= last[:, None, :, None]
         self._plan = (rows, mask)
 
     def causal_mask(self) -> torch.Tensor:

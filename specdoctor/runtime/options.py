@@ -46,6 +46,21 @@ class Fill(Choice):
     STALE = "stale"  # another weight's bytes, as a caching allocator's reused block
 
 
+class TapPolicy(Choice):
+    """How a block drafter's taps (target layers' hidden states) reach the drafter's rank (runtime/taps.py)."""
+
+    FIXED = "fixed"  # each rank sends its taps on with the hidden states (vLLM 0.32)
+    LOCAL_ONLY = "local-only"  # not relayed: the drafter's rank reads zeros for layers it does not own
+    OFF_BY_ONE = "off-by-one"  # target_layer_ids taken as capture points without vLLM's + 1: one layer early
+
+
+class MarkovPolicy(Choice):
+    """How a DSpark drafter's Markov head (`markov_head.markov_w1`, `markov_w2`) is loaded."""
+
+    FIXED = "fixed"
+    UNLOADED = "unloaded"  # left as allocated (the fill), as a loader that drops the head's keys leaves it
+
+
 class StateRollback(Choice):
     """What a hybrid model's recurrent state keeps after a step that rejected drafts."""
 
@@ -92,6 +107,11 @@ class RuntimeOptions:
         help="Checkpoint directory, a Hugging Face id in the local cache, or a demo model's name (e.g. 'demo').",
         required=True,
     )
+    speculative_model: str | None = option(
+        None,
+        "--speculative-model",
+        help="A drafter checkpoint of its own (DSpark); the DSpark demo brings one (default for --model demo-dspark).",
+    )
     tokenizer: str | None = option(
         None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."
     )
@@ -106,10 +126,11 @@ class RuntimeOptions:
         "-tp",
         help="Tensor-parallel size (the runtime runs 1; check --repair verifies a TP rank's vocab shard).",
     )
-    num_speculative_tokens: int = option(
+    num_speculative_tokens: int | None = option(
         0,
         "--num-speculative-tokens",
-        help=f"Draft tokens per step (0 = plain decoding, at most {MAX_SPECULATIVE_TOKENS}).",
+        help=f"Draft tokens per step (0 = plain decoding, at most {MAX_SPECULATIVE_TOKENS}; "
+        "check: a DSpark drafter's block size, else 3).",
     )
     draft_sample_method: DraftSampleMethod = option(
         DraftSampleMethod.GREEDY,
@@ -121,6 +142,12 @@ class RuntimeOptions:
     )
     head_policy: HeadPolicy = option(HeadPolicy.FIXED, "--head-policy", help="How the drafter's head is loaded.")
     fill: Fill = option(Fill.EMPTY, "--fill", help="What unloaded drafter memory holds.")
+    tap_policy: TapPolicy = option(
+        TapPolicy.FIXED, "--tap-policy", help="Block drafters: how the tapped target hidden states reach the drafter."
+    )
+    markov_policy: MarkovPolicy = option(
+        MarkovPolicy.FIXED, "--markov-policy", help="DSpark: its Markov head's loading."
+    )
     state_rollback: StateRollback = option(
         StateRollback.EXACT,
         "--state-rollback",
@@ -152,7 +179,7 @@ class RuntimeOptions:
             raise SpecdoctorError(f"--pp must be at least 1, got {self.pp}")
         if self.tp < 1:
             raise SpecdoctorError(f"--tensor-parallel-size must be at least 1, got {self.tp}")
-        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpecdoctorError(
                 f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
             )
@@ -174,9 +201,14 @@ MTP_METHODS = (
 )
 
 
+# vLLM's method for the block drafters the runtime runs (a separate checkpoint, given as "model").
+BLOCK_METHODS = ("dspark",)
+
+
 def options_from_speculative_config(text: str) -> dict:
-    """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens and, if
-    given, draft_sample_method. Keys the runtime cannot honour are refused, not ignored."""
+    """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens, and, if given,
+    draft_sample_method and the drafter checkpoint ("model", with method dspark). Keys the runtime cannot
+    honour are refused, not ignored."""
     import json
 
     try:
@@ -185,21 +217,30 @@ def options_from_speculative_config(text: str) -> dict:
         raise SpecdoctorError(f"--speculative-config is not valid JSON ({err.msg})") from None
     if not isinstance(config, dict):
         raise SpecdoctorError("--speculative-config must be a JSON object")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens", "draft_sample_method"})
+    unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_sample_method"})
     if unknown:
         raise SpecdoctorError(
-            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method, "
+            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method, model, "
             "num_speculative_tokens and draft_sample_method)"
         )
     method = config.get("method", "mtp")
-    if method not in MTP_METHODS:
+    if method not in MTP_METHODS + BLOCK_METHODS:
         raise SpecdoctorError(
-            f"--speculative-config: method {method!r} is not an MTP method ({', '.join(MTP_METHODS)})"
+            f"--speculative-config: method {method!r} is not run (MTP methods: {', '.join(MTP_METHODS)}; "
+            f"block drafters: {', '.join(BLOCK_METHODS)})"
+        )
+    if (method in BLOCK_METHODS) != ("model" in config):
+        raise SpecdoctorError(
+            f"--speculative-config: method {method!r} "
+            + ("needs" if method in BLOCK_METHODS else "takes no")
+            + ' "model" (a DSpark drafter is a checkpoint of its own; an MTP drafter is the target\'s)'
         )
     k = config.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int):
         raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
     fields = {"num_speculative_tokens": k}
+    if "model" in config:
+        fields["speculative_model"] = str(config["model"])
     if "draft_sample_method" in config:
         fields["draft_sample_method"] = config["draft_sample_method"]  # checked by RuntimeOptions
     return fields

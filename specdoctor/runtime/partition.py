@@ -68,7 +68,8 @@ class Placement:
         return self.rank == self.world_size - 1
 
 
-def placements(config: ModelConfig, pp: int, spec: str | None = None) -> list[Placement]:
+def placements(config: ModelConfig, pp: int, spec: str | None = None, block_drafter: bool = False) -> list[Placement]:
+    """`block_drafter`: a drafter checkpoint of its own runs beside the target (on the last rank, as MTP layers)."""
     ranges = layer_ranges(config.num_hidden_layers, pp, spec)
     last = pp - 1
     tied_on_last = config.tie_word_embeddings and ARCHITECTURES[config.architecture].tied_embedding_on_last_rank
@@ -79,7 +80,7 @@ def placements(config: ModelConfig, pp: int, spec: str | None = None) -> list[Pl
             layers=layers,
             has_embedding=rank == 0 or (rank == last and tied_on_last),
             has_head=rank == last,
-            has_drafter=rank == last and config.num_nextn_predict_layers > 0,
+            has_drafter=rank == last and (config.num_nextn_predict_layers > 0 or block_drafter),
         )
         for rank, layers in enumerate(ranges)
     ]

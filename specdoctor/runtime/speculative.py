@@ -39,25 +39,22 @@ class Drafts:
     def propose(
         self,
         next_tokens: torch.Tensor,  # [B, T] the token after each position
-        hidden: torch.Tensor,  # [B, T, H] the target's output after its final norm
+        features: torch.Tensor,  # [B, T, ...] what the drafter reads: the final-normed states, or the taps
         positions: torch.Tensor,  # [B, T]
-        base: torch.Tensor,  # [B] index of the last accepted position: the chain starts there
+        base: torch.Tensor,  # [B] index of the last accepted position: the drafts continue from there
     ) -> None:
-        """MTP step 0 over every new position (filling its KV cache), then k-1 chained steps from `base`,
-        each fed the drafter's own hidden state and its own proposal."""
+        """k drafts from the drafter's chain (MTP steps, or a DSpark block's Markov walk): each position's
+        logits give a draft, which the drafter is handed back before it gives the next position's."""
         start = time.perf_counter()
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        out, logits = self.drafter(next_tokens, hidden, positions, cache=self.cache)
-        out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
+        chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
+        logits = next(chain)
         tokens, probs = [], []
         for step in range(self.k):
             token, q = self._pick(logits)  # [B], [B, V] or None
             tokens.append(token)
             probs.append(q)
             if step + 1 < self.k:
-                position = position + 1
-                out, step_logits = self.drafter(token[:, None], out, position, cache=self.cache)
-                logits = step_logits[:, 0]
+                logits = chain.send(token)
         self.tokens = torch.stack(tokens, dim=1)
         self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
@@ -108,7 +105,7 @@ def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, drafts: "Dra
 
 def speculative_step(
     target_logits: torch.Tensor,  # [B, k+1, V] p's logits at the pending token and each draft
-    hidden: torch.Tensor,  # [B, k+1, H] the target's final-normed hidden states at the same positions
+    features: torch.Tensor,  # [B, k+1, ...] what the drafter reads at the same positions (Drafts.propose)
     positions: torch.Tensor,  # [B, k+1]
     drafts: Drafts | None,  # None for plain decoding (k = 0)
     sampler: RowSampler,
@@ -124,7 +121,7 @@ def speculative_step(
     if drafts:
         new_token = emitted.gather(1, accepted[:, None])  # [B, 1]
         next_tokens = torch.cat([draft_tokens, new_token], dim=1).scatter(1, accepted[:, None], new_token)
-        drafts.propose(next_tokens, hidden, positions, base=accepted)
+        drafts.propose(next_tokens, features, positions, base=accepted)
     return torch.cat([accepted[:, None], emitted, drafts.tokens if drafts else draft_tokens], dim=1)
 
 

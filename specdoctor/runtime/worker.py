@@ -17,6 +17,8 @@ from specdoctor.runtime.checkpoint import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
 from specdoctor.runtime.compile import compile_decode
 from specdoctor.runtime.continuous import run_continuous
+from specdoctor.runtime.drafter.block import open_block_drafter
+from specdoctor.runtime.drafter.dspark_loading import build_dspark_drafter
 from specdoctor.runtime.drafter.loading import Provenance, build_drafter
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.state import measure_drafter
@@ -24,6 +26,8 @@ from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_bat
 from specdoctor.runtime.loader import load_target_stage
 from specdoctor.runtime.options import Device, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.tap_probe import probe_taps
+from specdoctor.runtime.taps import tap_route
 
 # Operations only the drafter's rank answers: what the live drafter holds, and its repair.
 DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}
@@ -39,19 +43,36 @@ def rank_device(options: RuntimeOptions, rank: int) -> torch.device:
 
 
 def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
-    """Build this rank's stage (and the drafter on the last rank), reading only the tensors it owns."""
+    """Build this rank's stage (and the drafter on the last rank), then join the pipeline's process group."""
+    model, info = build_rank(options, rank)
+    model.comm = PipelineComm(rank, options.pp, model.device, options.timeout)
+    return model, info
+
+
+def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
+    """This rank's stage (and the drafter on the last rank), reading only the tensors it owns; not yet
+    connected to its peers (`comm` is None)."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
     checkpoint = Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
-    placement = placements(checkpoint.config, options.pp, options.pp_partition)[rank]
+    block = open_block_drafter(options.model, options.speculative_model, checkpoint)
+    if block:
+        block.require_runnable()
+    ranks = placements(checkpoint.config, options.pp, options.pp_partition, block_drafter=block is not None)
+    placement = ranks[rank]
     stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
+    route = None
+    if block:  # the taps this rank captures and moves on (runtime/taps.py)
+        route = tap_route(block.config.tap_entries, options.tap_policy, placement, [r.layers for r in ranks])
+        stage.tap_entries = route.own
     drafter, provenance = None, Provenance()
-    if placement.has_drafter:
+    if placement.has_drafter and block:
+        drafter, provenance = build_dspark_drafter(block, checkpoint, stage, options, device)
+    elif placement.has_drafter:
         drafter, provenance = build_drafter(checkpoint, stage, options, device)
     if options.compile:
         for module in (stage, drafter) if drafter is not None else (stage,):
             compile_decode(module)
-    comm = PipelineComm(rank, options.pp, device, options.timeout)
     info = {
         "rank": rank,
         "layers": [placement.layers.start, placement.layers.stop],
@@ -63,7 +84,11 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
         "drafter_provenance": dict(provenance.sources),
     }
     rollback = options.state_rollback == StateRollback.EXACT
-    return RankModel(placement, stage, drafter, comm, device, dtype, checkpoint, provenance, rollback), info
+    speculates = bool(checkpoint.config.num_nextn_predict_layers or block)
+    model = RankModel(
+        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, block, speculates
+    )
+    return model, info
 
 
 class StepReporter:
@@ -106,6 +131,10 @@ def serve(
             logits = prompt_logits(model, payload)
             if model.placement.is_last:
                 reply("logits", logits)
+        elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
+            readings = probe_taps(model, payload)
+            if model.placement.is_last:
+                reply(kind, readings)
         elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
             reply(kind, DRAFTER_OPERATIONS[kind](model, **payload))
 
@@ -122,8 +151,11 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
-def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies) -> None:
-    """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller."""
+def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, environment: dict[str, str]) -> None:
+    """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller.
+    `environment`: the controller's, as it was when the engine started (the fork server's is older)."""
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.pp))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
 from tests.helpers.reference_decoder import greedy_generate
@@ -30,3 +31,37 @@ def position0_acceptance(target: TargetStage, drafter: MtpDrafter, prompts: list
         hits += int((drafts == sequence[0, first + 2 :]).sum())
         total += drafts.numel()
     return hits / max(total, 1)
+
+
+@torch.no_grad()
+def block_acceptance(
+    target: TargetStage, drafter: DSparkDrafter, prompts: list[list[int]], new_tokens: int, k: int
+) -> list[float]:
+    """Per-position acceptance rates of a DSpark drafter's greedy block of k drafts anchored at every position
+    of each greedy continuation: the share of anchors whose first i + 1 drafts all equal the trace. Drafted
+    through the runtime's own context and block passes, every anchor a row with the whole context cached."""
+    continuations = greedy_generate(target, prompts, new_tokens)
+    accepted, anchors = torch.zeros(k), 0
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        sequence = torch.tensor(prompt + continuation)  # [L]
+        length = len(sequence)
+        positions = torch.arange(length)[None]
+        _, captured = target.forward_with_taps(sequence[None], positions)
+        taps = torch.stack([captured[entry] for entry in drafter.config.tap_entries], dim=2)  # [1, L, taps, H]
+        starts = torch.arange(len(prompt), length - k)  # each anchor's position: the trace continues k tokens
+        rows = len(starts)
+        cache = drafter.new_cache(rows, length + k, taps.dtype, taps.device)
+        drafter.write_context(taps.expand(rows, -1, -1, -1), positions.expand(rows, -1), cache)
+        next_tokens = sequence[starts][:, None]  # the anchor, at index 0 of each row's "new positions"
+        chain = drafter.draft_block(next_tokens[:, 0], (starts - 1), cache, k)
+        logits = next(chain)
+        drafts = []
+        for step in range(k):
+            drafts.append(logits.argmax(-1))
+            if step + 1 < k:
+                logits = chain.send(drafts[-1])
+        drafts = torch.stack(drafts, 1)  # [rows, k]
+        truth = sequence[starts[:, None] + 1 + torch.arange(k)]
+        accepted += (drafts == truth).int().cumprod(1).sum(0).float()
+        anchors += rows
+    return (accepted / max(anchors, 1)).tolist()

@@ -5,18 +5,26 @@ from __future__ import annotations
 import torch
 
 from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.drafter.block import open_block_drafter
+from specdoctor.runtime.drafter.dspark_loading import build_dspark_drafter
 from specdoctor.runtime.drafter.loading import Provenance, build_drafter
 from specdoctor.runtime.loader import load_full_target
+from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import RuntimeOptions
 
 
-def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDrafter, Provenance]:
-    """The whole target and its drafter loaded the fixed way (the drafter shares the target's embedding)."""
+def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDrafter | DSparkDrafter, Provenance]:
+    """The whole target and its drafter (its MTP layers, or the DSpark checkpoint a demo brings) loaded the
+    fixed way (the drafter shares the target's embedding)."""
     target = load_full_target(checkpoint)
-    drafter, provenance = build_drafter(checkpoint, target, RuntimeOptions(str(checkpoint.path)), torch.device("cpu"))
-    return target, drafter, provenance
+    options, cpu = RuntimeOptions(str(checkpoint.path)), torch.device("cpu")
+    block = open_block_drafter(str(checkpoint.path), None, checkpoint)
+    if block is None:
+        return target, *build_drafter(checkpoint, target, options, cpu)
+    target.tap_entries = block.config.tap_entries
+    return target, *build_dspark_drafter(block, checkpoint, target, options, cpu)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ def vllm_python():
 
 @pytest.fixture(scope="session")
 def vllm_demo(vllm_python):
-    """vLLM's server on the shipped demo model: fp32, MTP with k = 3, PP 1."""
-    server = start_or_fail(lambda: VllmServer(DEMO_DIR, K))
+    """vLLM's server on the shipped demo model: fp32, MTP with k = 3, PP 1, eager."""
+    server = start_or_fail(lambda: VllmServer(DEMO_DIR, K, eager=True))
     yield server
     server.stop()

@@ -108,6 +108,33 @@ def test_placement_matches_what_vllms_glm_model_builds_on_each_rank(goldens):
             assert ours == vllm["placement"][f"{name},{pp}"], (name, pp)
 
 
+def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
+    """The aux layers vLLM's target captures for a DSpark or DFlash config (ids + 1, sorted, de-duplicated),
+    its mask token, and how many of them reach each PP rank from upstream, against the runtime's."""
+    from specdoctor.runtime.models.dspark import read_dspark_config
+    from specdoctor.runtime.options import TapPolicy
+    from specdoctor.runtime.taps import tap_route
+    from tests.helpers.dspark import drafter_fields
+
+    dspark = goldens[0]["dspark"]
+    for case in dspark["configs"]:
+        fields = {**drafter_fields(), **case["fields"], "vocab_size": 320}
+        for name in ("target_layer_ids", "mask_token_id"):
+            if name not in case["fields"]:
+                fields.pop(name)
+        config = read_dspark_config(fields)
+        assert list(config.tap_entries) == case["aux"], case
+        assert config.mask_token_id == case["mask"], case
+    for key, received in dspark["received"].items():  # "layers,partition...,entries...": one count per rank
+        layers, *rest = (int(item) for item in key.split(","))
+        partition, entries = ",".join(map(str, rest[: len(received)])), tuple(rest[len(received) :])
+        config = read_config({**json.loads((DEMO_DIR / "config.json").read_text()), "num_hidden_layers": layers})
+        ranks = placements(config, len(received), partition, block_drafter=True)
+        for placement in ranks:
+            route = tap_route(entries, TapPolicy.FIXED, placement, [r.layers for r in ranks])
+            assert route.received == received[placement.rank], (key, placement.rank)
+
+
 def probe(url: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "specdoctor", "probe", "--url", url, "--json", "-"]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -122,7 +149,7 @@ def test_probe_passes_a_healthy_vllm_deployment(vllm_demo):
 
 def test_probe_finds_the_broken_drafter_of_a_vllm_deployment(vllm_python, tmp_path):
     # What a zero-filled drafter embedding does (measured on vLLM: mean 1.06, position rates 10/178, 1/178, 0).
-    server = start_or_fail(lambda: VllmServer(zeroed_enorm_copy(DEMO_DIR, tmp_path / "broken", layer=4), K))
+    server = start_or_fail(lambda: VllmServer(zeroed_enorm_copy(DEMO_DIR, tmp_path / "broken", layer=4), K, eager=True))
     try:
         result = probe(server.url)
     finally:

@@ -5,7 +5,10 @@ specdoctor not): `python tests/peer/vllm_goldens.py DEMO_DIR TIED_DEMO_DIR`.
 - VocabParallelEmbedding's padding and each TP rank's row range, TP 1-8;
 - what Glm4MoeForCausalLM builds on each PP rank (embedding, head, layers), tied and untied, from the
   model class itself with the PP group's rank faked and every tensor on the meta device; and whether
-  it builds that rank at all (it raises "No Glm4MoE layer found" on a rank without an MoE layer).
+  it builds that rank at all (it raises "No Glm4MoE layer found" on a rank without an MoE layer);
+- DSpark: the aux hidden-state layers (get_eagle3_aux_layers_from_config, then the sorted set the target
+  keeps) and the mask token (get_parallel_drafting_token_id) for several draft configs, and how many aux
+  states reach each PP rank from upstream (EagleModelMixin's slot base, with the PP group faked).
 """
 
 from __future__ import annotations
@@ -107,6 +110,57 @@ def placements(models: dict[str, str]) -> dict:
     return out
 
 
+# Draft configs as DSpark and DFlash checkpoints spell them (fields on top of a Qwen3 config).
+DSPARK_CONFIGS = [
+    {"target_layer_ids": [1, 3, 5], "mask_token_id": 7},
+    {"target_layer_ids": [5, 1, 3, 3], "mask_token_id": 7},
+    {"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 9}, "mask_token_id": 7},
+    {"dspark_target_layer_ids": [2], "dspark_noise_token_id": 5},
+    {"eagle_aux_hidden_state_layer_ids": [2, 4], "target_layer_ids": [1], "mask_token_id": 3},
+]
+# (target layers, PP partition, aux entries): how many aux states each rank receives from upstream.
+AUX_LAYOUTS = [(6, "2,2,2", (2, 4, 6)), (6, "1,2,2,1", (2, 4, 6)), (6, "3,0,3", (2, 4, 6)), (8, "4,4", (1, 4, 5, 8))]
+
+
+def dspark() -> dict:
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    parallel_state.model_parallel_is_initialized = lambda: True
+    parallel_state.get_pp_group = lambda: FakePPGroup(0, 1)  # one rank: the config alone decides the aux layers
+    configs = []
+    for fields in DSPARK_CONFIGS:
+        hf_config = SimpleNamespace(model_type="qwen3", **fields)
+        aux = get_eagle3_aux_layers_from_config(
+            SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf_config))
+        )
+        holder = EagleModelMixin()
+        holder._set_aux_hidden_state_layers(aux)  # the target keeps them sorted and de-duplicated
+        configs.append(
+            {
+                "fields": fields,
+                "aux": list(holder.aux_hidden_state_layers),
+                "mask": get_parallel_drafting_token_id(hf_config),
+            }
+        )
+    slots = {}
+    for layers, spec, aux in AUX_LAYOUTS:
+        parts = [int(part) for part in spec.split(",")]
+        received = []
+        for rank in range(len(parts)):
+            parallel_state.get_pp_group = lambda rank=rank, size=len(parts): FakePPGroup(rank, size)
+            holder = EagleModelMixin()
+            holder.start_layer = sum(parts[:rank])
+            holder._set_aux_hidden_state_layers(aux)
+            received.append(holder._aux_slot_base_cached)
+        slots[f"{layers},{spec},{','.join(map(str, aux))}"] = received
+    return {"configs": configs, "received": slots}
+
+
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29531")
@@ -114,5 +168,6 @@ if __name__ == "__main__":
         "pp": pp_indices(),
         "vocab": vocab_shards(),
         "placement": placements({"untied": sys.argv[1], "tied": sys.argv[2]}),
+        "dspark": dspark(),
     }
     print("GOLDENS " + json.dumps(goldens))

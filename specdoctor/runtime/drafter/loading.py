@@ -74,9 +74,9 @@ def fill_unloaded(parameter: torch.Tensor, fill: Fill, stale_source: torch.Tenso
             parameter.zero_()
         elif fill == Fill.NAN:
             parameter.fill_(float("nan"))
-        elif fill == Fill.STALE and stale_source is not None:
-            # A caching allocator hands back a freed block of the same size: here, another weight's bytes.
-            parameter.copy_(stale_source.reshape(parameter.shape))
+        elif fill == Fill.STALE and stale_source is not None and stale_source.numel() >= parameter.numel():
+            # A caching allocator hands back a freed block at least as large: here, another weight's bytes.
+            parameter.copy_(stale_source.flatten()[: parameter.numel()].view(parameter.shape))
         # Fill.EMPTY: leave the bytes torch.empty gave.
 
 

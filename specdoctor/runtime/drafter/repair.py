@@ -17,7 +17,8 @@ from torch import nn
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING
+from specdoctor.runtime.drafter.state import expected_tensor
 from specdoctor.runtime.loader import load_module
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
@@ -91,18 +92,20 @@ def check_vocab_shard(
 
 
 def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) -> RepairResult:
-    """Fill the named drafter tensors of a RankModel from the target checkpoint, one tensor read each."""
-    checkpoint, drafter = model.checkpoint, model.drafter
-    device, dtype = model.device, model.dtype
-    before, start = checkpoint.bytes_read, time.perf_counter()
+    """Fill the named drafter tensors of a RankModel from the checkpoint that holds them (the target's, or a
+    drafter checkpoint of its own), one tensor read each."""
+    drafter, device, dtype = model.drafter, model.device, model.dtype
+    checkpoints = [c for c in (model.checkpoint, model.drafter_checkpoint) if c is not None]
+    before, start = sum(c.bytes_read for c in checkpoints), time.perf_counter()
     result = RepairResult()
     for name in names:
-        key = expected_key(checkpoint, name)
-        if key is None:
+        source = expected_tensor(model, name)
+        if source is None:
             continue
+        checkpoint, key = source
         if name == DRAFTER_EMBEDDING:
             # The runtime computes with the whole vocabulary: TP rank 0 of 1 is the whole padded table.
-            table = read_vocab_shard(checkpoint, key, 1, 0)[: checkpoint.config.vocab_size]
+            table = read_vocab_shard(checkpoint, key, 1, 0)[: model.checkpoint.config.vocab_size]
             drafter.embed_tokens = nn.Embedding.from_pretrained(table.to(device, dtype), freeze=True)
             if tp_size > 1:
                 result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight, tp_size, tp_rank)
@@ -111,6 +114,6 @@ def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) 
             load_module(module, checkpoint, lambda _name, key=key: key)
         model.provenance.sources[name] = f"checkpoint:{key}"
         result.repaired[name] = key
-    result.bytes_read = checkpoint.bytes_read - before
+    result.bytes_read = sum(c.bytes_read for c in checkpoints) - before
     result.seconds = round(time.perf_counter() - start, 4)
     return result

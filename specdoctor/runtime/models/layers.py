@@ -39,19 +39,28 @@ def concat_weights(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
     start = 0
     for linear in linears:
         end = start + linear.weight.shape[0]
-        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        linear.weight = nn.Parameter(weight[start:end])
         if bias is not None:
-            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+            linear.bias = nn.Parameter(bias[start:end])
         start = end
     return weight, bias
 
 
 class FusedWeights(nn.Module):
     """A module whose parts share one storage (see `concat_weights`). Moving or re-allocating it
-    (`.to`, `.to_empty`) gives each parameter new storage, so the parts are joined again after."""
+    (`.to`, `.to_empty`) gives each parameter new storage, so the parts are joined again after.
+    Training reads the parts themselves (`joined`), so the gradients reach the parameters the
+    checkpoint names, and the optimiser's in-place steps land in the shared storage."""
 
     def fuse(self) -> None:
         raise NotImplementedError
+
+    def joined(self, fused: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The fused tensor for this forward: the shared storage, or, in training with gradients on, the
+        parts joined again (the same values, differentiable)."""
+        if fused is None or not (self.training and torch.is_grad_enabled()):
+            return fused
+        return torch.cat(parts).view(fused.shape)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -82,6 +91,12 @@ class Attention(FusedWeights):
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = concat_weights([self.q_proj, self.k_proj, self.v_proj])
 
+    def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused q/k/v projection's weight [(heads + 2 kv_heads) D, H] and bias."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        bias = self.joined(self.qkv_bias, [p.bias for p in parts] if self.qkv_bias is not None else [])
+        return self.joined(self.qkv_weight, [p.weight for p in parts]), bias
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
@@ -91,9 +106,7 @@ class Attention(FusedWeights):
     ) -> torch.Tensor:  # [B, T, H]
         batch, length, _ = x.shape
         kv_size = self.num_kv_heads * self.head_dim
-        qk, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
-            [self.num_heads * self.head_dim + kv_size, kv_size], -1
-        )
+        qk, v = F.linear(x, *self.qkv()).split([self.num_heads * self.head_dim + kv_size, kv_size], -1)
         heads = self.num_heads
         qk = qk.view(batch, length, heads + self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
@@ -128,7 +141,7 @@ class MLP(FusedWeights):
         self.gate_up = concat_weights([self.gate_proj, self.up_proj])[0]  # [2I, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.joined(self.gate_up, [self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -213,20 +226,28 @@ class MoE(FusedWeights):
     def shared(self, flat: torch.Tensor) -> torch.Tensor | float:  # [N, H] -> what the shared experts add
         return self.shared_experts(flat) if hasattr(self, "shared_experts") else 0.0
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every routed expert's gate/up [E, 2I, H] and down [E, H, I] projections."""
+        gate_up = [linear.weight for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
+        down = [expert.down_proj.weight for expert in self.experts]
+        return self.joined(self.gate_up, gate_up), self.joined(self.down, down)
+
     def gathered_experts(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
         tokens, per_token = expert_ids.shape
         ids = expert_ids.reshape(-1)
         inputs = flat[:, None, :].expand(tokens, per_token, -1).reshape(tokens * per_token, 1, -1)
+        gate_up, down = self.expert_weights()
         # index_select copies whole expert matrices; advanced indexing (w[ids]) is several times slower.
-        gate, up = torch.bmm(inputs, self.gate_up.index_select(0, ids).transpose(1, 2)).chunk(2, dim=-1)
-        routed = torch.bmm(F.silu(gate) * up, self.down.index_select(0, ids).transpose(1, 2))  # [N*k, 1, H]
+        gate, up = torch.bmm(inputs, gate_up.index_select(0, ids).transpose(1, 2)).chunk(2, dim=-1)
+        routed = torch.bmm(F.silu(gate) * up, down.index_select(0, ids).transpose(1, 2))  # [N*k, 1, H]
         return (routed.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
 
     def every_expert(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
         picked = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
         picked.scatter_(1, expert_ids, weights.to(flat.dtype))  # [N, E]: the routing weight, 0 where not picked
-        gate, up = torch.matmul(flat, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
-        routed = torch.matmul(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, N, H]
+        gate_up, down = self.expert_weights()
+        gate, up = torch.matmul(flat, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        routed = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [E, N, H]
         return (routed * picked.T[:, :, None]).sum(0)
 
     def looped_experts(self, flat, weights, expert_ids) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.kv_cache import KVCache, new_cache
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
 
@@ -20,6 +20,23 @@ class MtpDrafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer = family_of(config).mtp_layer
         self.layers = nn.ModuleDict({str(i): layer(config, i) for i in config.mtp_layer_ids})
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        config = self.config
+        return new_cache(config, config.mtp_layer_ids, batch, max_len, dtype, device, drafter=True)
+
+    def draft(self, next_tokens, hidden, positions, base, cache: KVCache, k: int):
+        """Yields each draft's logits [B, V]; send() back each picked token [B]. Step 0 runs over every new
+        position (next_tokens, hidden [B, T, H], positions [B, T]: filling the cache), then the chain goes on
+        from `base` [B], the last accepted position, each step fed its own hidden state and proposal."""
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        out, logits = self(next_tokens, hidden, positions, cache=cache)
+        out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
+        for _ in range(k):
+            token = yield logits
+            position = position + 1
+            out, step_logits = self(token[:, None], out, position, cache=cache)
+            logits = step_logits[:, 0]
 
     def forward(
         self,

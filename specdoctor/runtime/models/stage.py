@@ -26,6 +26,9 @@ class TargetStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): family.decoder_layer(config, i) for i in self.layer_ids})
         self.model.norm = family.norm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if has_head else PPMissingLayer()
+        # Residual-stream entries a block drafter reads that this stage captures (runtime/taps.py): entry j is
+        # the state entering layer j, taken after layer j - 1 runs (entry 0, the embedding output, on the first).
+        self.tap_entries: tuple[int, ...] = ()
 
     @property
     def has_embedding(self) -> bool:
@@ -41,17 +44,31 @@ class TargetStage(nn.Module):
         positions: torch.Tensor,  # [B, T] absolute positions
         cache: KVCache | None = None,
     ) -> torch.Tensor:  # [B, T, H] hidden states after this stage's layers, before the final norm
+        return self.forward_with_taps(inputs, positions, cache)[0]
+
+    def forward_with_taps(
+        self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(the hidden states, as `forward`; each captured entry of `tap_entries` -> its state [B, T, H])."""
         # The last stage may hold the (tied) embedding too, but it is fed hidden states.
         x = inputs if inputs.is_floating_point() else self.model.embed_tokens(inputs)
         if cache is not None:
             cache.plan(positions)
-        return self.run_layers(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
+        hidden, taps = self.run_layers(x, positions, rotary_cos_sin(self.config, positions, x.dtype), cache)
+        if not inputs.is_floating_point() and 0 in self.tap_entries:  # entry 0 is the first stage's
+            taps = {0: x, **taps}
+        return hidden, taps
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache | None) -> torch.Tensor:
-        """The stage's layers: the part of a step `--compile` compiles (runtime/compile.py)."""
-        for layer in self.model.layers.values():
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache | None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The stage's layers and their taps: the part of a step `--compile` compiles (runtime/compile.py)."""
+        taps = {}
+        for layer_id, layer in zip(self.layer_ids, self.model.layers.values(), strict=True):
             x = layer(x, positions, rotary, cache)
-        return x
+            if layer_id + 1 in self.tap_entries:
+                taps[layer_id + 1] = x
+        return x, taps
 
     def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final-normed hidden states [B, T, H], logits [B, T, V]) of the last stage's output [B, T, H].
