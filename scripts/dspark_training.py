@@ -10,13 +10,21 @@ embedding and head, as the shipped drafter shares the target's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from specdoctor.runtime.models.dspark import DSparkConfig, DSparkDrafter, context_keys_values
 from specdoctor.runtime.models.rope import rotary_cos_sin
 from specdoctor.runtime.models.stage import TargetStage
 from tests.helpers.acceptance_trace import block_acceptance
+
+
+def read_shards(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v.float() for shard in sorted(directory.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
 
 MASK = "<|mask|>"
 BLOCK = 5  # the block (num_speculative_tokens) it is trained for
@@ -104,6 +112,13 @@ class DSparkDemoModel(torch.nn.Module):
         for param in self.parameters():
             if param.dim() >= 2:
                 torch.nn.init.normal_(param, std=0.02)
+
+    def load(self, target_dir: Path, drafter_dir: Path) -> None:
+        """Start from saved weights (a later drafter-only phase); the drafter's checkpoint lacks the embedding and
+        head it shares with the target."""
+        self.target.load_state_dict(read_shards(target_dir))
+        missing, unexpected = self.drafter.load_state_dict(read_shards(drafter_dir), strict=False)
+        assert sorted(missing) == ["embed_tokens.weight", "lm_head.weight"] and not unexpected, (missing, unexpected)
 
     def block_losses(
         self, batch: torch.Tensor, taps: torch.Tensor, count: int, teacher: torch.Tensor | None = None

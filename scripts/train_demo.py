@@ -341,9 +341,14 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=4.0)
     parser.add_argument("--drafter-steps", type=int, default=0, help="demo-dspark: then the drafter alone")
     parser.add_argument("--drafter-lr", type=float, default=2e-3)
+    parser.add_argument(
+        "--init-from-out", action="store_true", help="demo-dspark: start from the weights in --out and --drafter-out"
+    )
     args = parser.parse_args()
     if (args.demo == DSPARK_DEMO) != (args.drafter_out is not None):
         parser.error("--drafter-out goes with --demo demo-dspark, and only with it")
+    if args.init_from_out and args.demo != DSPARK_DEMO:
+        parser.error("--init-from-out goes with --demo demo-dspark")
     torch.manual_seed(args.seed)
 
     train_files, held_files = corpus_files()
@@ -363,6 +368,8 @@ def main() -> None:
         mask = tokenizer.token_to_id(dspark_training.MASK)
         drafter_config = {**dspark_training.DRAFTER_FIELDS, "vocab_size": vocab, "mask_token_id": mask}
         model = dspark_training.DSparkDemoModel(read_config(raw_config), read_dspark_config(drafter_config), args.seed)
+        if args.init_from_out:
+            model.load(args.out, args.drafter_out)
     else:
         model = DemoModel(read_config(raw_config))
     loads = track_loads(model)
@@ -370,7 +377,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     watch = [held[o : o + 64].tolist() for o in range(0, 8 * 997, 997)]  # a quick held-out reading as it trains
     start = time.time()
-    phases = [("training", model.loss, model.parameters, args.steps, args.lr)]
+    phases = [("training", model.loss, model.parameters, args.steps, args.lr)] if args.steps else []
     if args.demo == DSPARK_DEMO and args.drafter_steps:  # then the drafter alone, on the frozen target
         phases.append(("drafter", model.drafter_loss, model.drafter_only, args.drafter_steps, args.drafter_lr))
     for label, loss_of, parameters_of, steps, lr in phases:

@@ -138,8 +138,8 @@ def test_serve_drafts_with_it_by_default_and_counts_like_vllm(prompts, single_pr
 
 
 # (PP, loading, the content signal that names it, the block shape behaviour sees, whether a checkpoint read
-# repairs it). A tap fault's shape is not asserted: off by one the block looks healthy (50 33 18 11 8 %
-# against 57 35 18 11 9 %), and only the tap probe tells (numbers: specdoctor/checks/acceptance.py).
+# repairs it). A tap fault's shape is not asserted: off by one the block looks healthy (66 45 25 19 9 %
+# against 67 50 28 16 9 %), and only the tap probe tells (numbers: specdoctor/checks/acceptance.py).
 FAULTS = {
     "embedding-unshared": (
         4,
@@ -172,7 +172,8 @@ def test_check_names_each_fault_from_content_and_behaviour(fault):
     assert content in before.signals()["content"], before.findings
     if shape:
         block = next(f for f in before.findings if f.check == "behaviour.block")
-        assert block.severity == "error" and shape in block.message, block
+        # A collapse is an error; a decay a warning (a weak healthy drafter decays too).
+        assert (block.severity, shape in block.message) == ("error" if shape == "collapsed" else "warning", True)
     if repairable:
         after = report.stages[1]
         assert not [f for f in after.findings if f.severity == "error"], after.findings

@@ -74,3 +74,25 @@ def test_the_drafter_phase_trains_the_drafter_alone():
     assert all(p.grad is None for p in model.target.parameters())  # frozen: the embedding and head it shares too
     names = {name for name, p in model.drafter.named_parameters() if any(p is q for q in own)}
     assert not {"embed_tokens.weight", "lm_head.weight"} & names
+
+
+def test_a_later_phase_starts_from_the_saved_checkpoints(tmp_path):
+    """--init-from-out: the saved target and drafter (the drafter without the embedding and head it shares) load
+    back into a fresh model, which then computes what the saved one does (bf16, as saved)."""
+    from scripts.train_demo import save_dspark, train_tokenizer
+
+    saved = model_of(DSPARK_DEMO).eval()
+    raw = demo_config(DSPARK_DEMO, VOCAB, 0)
+    tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 4, 260)
+    save_dspark(saved, raw, {}, tokenizer, tmp_path / "model", tmp_path / "drafter", 1 << 20)
+    fresh = model_of(DSPARK_DEMO)
+    with torch.no_grad():  # unlike the saved model in every tensor, so only loading can make them agree
+        for p in fresh.parameters():
+            p.normal_()
+    fresh.load(tmp_path / "model", tmp_path / "drafter")
+    batch = torch.randint(0, VOCAB - 1, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for model in (saved, fresh):
+            model.to(torch.bfloat16).float()  # the saved values: rounded to bf16
+        expected, loaded = saved.eval().drafter_loss(batch)[0], fresh.eval().drafter_loss(batch)[0]
+    torch.testing.assert_close(loaded, expected)

@@ -16,13 +16,15 @@ greedy, k 3, on the text battery and on the token-id battery):
 - The chain signature: a healthy chain keeps 0.69-0.80 of its rate from position 0 to 1; a rate that
   falls below a quarter of a healthy position 0 (>= 0.3) is far outside that.
 - A block drafter (DSpark) drafts its whole block in one pass, and the shape of its per-position rates
-  tells the faults apart. Measured on demo-dspark at PP 2-4, k 5, text battery: healthy 57 35 18 11 9 %
-  (each position keeps 0.64 of the one before, geometric mean), taps off by one layer 0.62; every
-  position collapsed (position 0 under the broken limit) for the head zeroed (12 %), the Markov head
-  zeroed (27 %, the head also carries position 0's bigram) or NaN (0 %), a NaN embedding (0 %) and two
-  of three taps zeroed (40 %); position 0 holding but the block decaying for a zeroed embedding
-  (48 21 10 2 1 %: keeps 0.34, the queries lose their anchor and mask tokens). BLOCK_DECAY_RETENTION
-  0.5 sits between 0.34 and 0.62.
+  tells the faults apart. Measured on demo-dspark at PP 2-4, k 5, text battery: healthy 67 50 28 16 9 %
+  (each position keeps 0.61 of the one before, geometric mean), taps off by one 0.61; every position
+  collapsed (position 0 under the broken limit) for the head zeroed (13 %) or NaN, the Markov head
+  zeroed (32 %: it also carries position 0's bigram) or NaN, and a NaN embedding (0 %); position 0
+  holding and the block decaying for a zeroed or uninitialised embedding (56 31 11 5 4 %: keeps 0.50;
+  the first demo-dspark drafter, trained less: 0.34 against a healthy 0.64) and, less, for two of three
+  taps zeroed (0.55). BLOCK_DECAY_RETENTION 0.55 sits between the embedding faults and the healthy
+  drafters; the margin is small and a weak healthy drafter decays too, so a decay is a warning: the
+  content checks are what name the fault.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ BROKEN_BASELINE_FACTOR = 2.0
 BROKEN_POSITION0_RATE = 0.2
 CHAIN_HEALTHY_POSITION0 = 0.3
 CHAIN_DROP_RATIO = 0.25
-BLOCK_DECAY_RETENTION = 0.5
+BLOCK_DECAY_RETENTION = 0.55
 
 BROKEN_HINT = (
     "an uninitialised or aliased drafter embedding, or missing drafter weights: run specdoctor check --repair "
@@ -110,11 +112,11 @@ def block_findings(prefix: str, rates: list[float], baseline: float | None, stag
         return [
             Finding(
                 f"{prefix}.block",
-                "error",
+                "warning",
                 f"position 0 holds ({rates[0]:.0%}) but the block decays: each position keeps {retention:.0%} of the "
                 f"one before ({shown})",
                 "position 0 still reads the context but the later ones lose their own inputs: the drafter's token "
-                "embedding (its anchor and mask tokens)",
+                "embedding (its anchor and mask tokens), or some of its taps",
                 stage,
                 data,
             )
