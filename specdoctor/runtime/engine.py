@@ -81,8 +81,6 @@ class Engine:
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
         self.drafter_checkpoint = open_block_drafter(options.model, options.speculative_model, self.checkpoint)
-        if self.drafter_checkpoint:
-            self.drafter_checkpoint.require_runnable()
         self.speculates = bool(self.config.num_nextn_predict_layers or self.drafter_checkpoint)
         block = self.drafter_checkpoint is not None
         self.placements = placements(self.config, options.pp, options.pp_partition, block_drafter=block)

@@ -101,7 +101,11 @@ class RankModel:
     state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
     taps: TapRoute | None = None  # a block drafter's taps: this rank's part in moving them
     drafter_checkpoint: Checkpoint | None = None  # a drafter that is a checkpoint of its own
-    speculates: bool = False  # the pipeline has a drafter (MTP layers, or a drafter checkpoint)
+
+    @property
+    def speculates(self) -> bool:
+        """The pipeline has a drafter: the target's MTP layers, or a drafter checkpoint."""
+        return bool(self.stage.config.num_nextn_predict_layers or self.drafter_checkpoint)
 
     def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
         """A cache for this rank's layers, or for the drafter's."""

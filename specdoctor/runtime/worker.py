@@ -51,13 +51,11 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
 
 def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     """This rank's stage (and the drafter on the last rank), reading only the tensors it owns; not yet
-    connected to its peers (`comm` is None)."""
+    connected to its peers (`comm` is None), so one rank of a pipeline can be built alone (the tests)."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
     checkpoint = Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
     block = open_block_drafter(options.model, options.speculative_model, checkpoint)
-    if block:
-        block.require_runnable()
     ranks = placements(checkpoint.config, options.pp, options.pp_partition, block_drafter=block is not None)
     placement = ranks[rank]
     stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
@@ -84,11 +82,9 @@ def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
         "drafter_provenance": dict(provenance.sources),
     }
     rollback = options.state_rollback == StateRollback.EXACT
-    speculates = bool(checkpoint.config.num_nextn_predict_layers or block)
-    model = RankModel(
-        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, block, speculates
-    )
-    return model, info
+    return RankModel(
+        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, block
+    ), info
 
 
 class StepReporter:

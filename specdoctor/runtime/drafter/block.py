@@ -12,7 +12,7 @@ DEFAULT_SPECULATIVE_TOKENS = 3  # check's k for an MTP drafter, or a block draft
 
 def open_block_drafter(model: str, speculative_model: str | None, target: Checkpoint) -> DrafterCheckpoint | None:
     """The drafter checkpoint for this target (asked for, or the one a demo brings), checked against the
-    target; None for a target that drafts with its own MTP layers or not at all."""
+    target and runnable by the runtime; None for a target that drafts with its own MTP layers or not at all."""
     path = drafter_checkpoint_path(model, speculative_model)
     if path is None:
         return None
@@ -25,6 +25,7 @@ def open_block_drafter(model: str, speculative_model: str | None, target: Checkp
     problems = pairing_problems(drafter.config, target.config)
     if problems:
         raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
+    drafter.require_runnable()
     return drafter
 
 
