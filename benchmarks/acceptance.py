@@ -17,7 +17,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from specdoctor.runtime.checkpoint import DEMO_MODELS
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions

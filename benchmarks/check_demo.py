@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.common import machine, write_json
-from specdoctor.runtime.checkpoint import DEMO_MODELS
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
-from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.dspark import DSparkDrafter
 from tests.helpers.acceptance_trace import block_acceptance, position0_acceptance
 from tests.helpers.demo_corpus import held_out_prompts

@@ -130,10 +130,10 @@ def cases(device: torch.device, vocab: int, hidden: int, batch: int, k: int):
 
 
 def compile_table() -> Table:
-    """Every kernel compiled for sm_80 and sm_90 at real sizes (specdoctor.kernels.targets), with the shared
+    """Every kernel compiled for sm_80 and sm_90 at real sizes (specdoctor.kernels.aot), with the shared
     memory Triton reports and the registers and spills ptxas reports: no GPU needed."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    command = [sys.executable, "-m", "specdoctor.kernels.targets", "--usage"]
+    command = [sys.executable, "-m", "specdoctor.kernels.aot", "--usage"]
     report = json.loads(subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout)
     table = Table(title="Compiled for the GPUs users run (triton.compile, GPUTarget cuda 80 / 90)")
     for column in ("kernel", "variant", "sm", "shared memory", "registers", "spills"):

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from benchmarks.common import machine, write_json
 from specdoctor.checks.preflight import preflight
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.glm4_moe import MtpLayer
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.partition import placements

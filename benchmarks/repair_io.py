@@ -38,8 +38,8 @@ from safetensors.torch import load, save_file
 
 from benchmarks.common import machine, write_json
 from specdoctor.checks.preflight import preflight
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.mtp import DRAFTER_EMBEDDING, expected_key
 from specdoctor.runtime.models.glm4_moe import MtpLayer
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.models.stage import TargetStage

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import load_battery
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from tests.helpers.servers import SpecdoctorServer
 from tests.peer.vllm_server import VllmServer
 

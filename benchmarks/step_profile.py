@@ -21,11 +21,12 @@ from torch.profiler import profile
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.generation import GenerateRequest, decode_batch
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import load_codec
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import load_codec
 from specdoctor.runtime.worker import keep_freed_memory_mapped, load_rank
 
 MODES = {"eager": False, "compiled": True}

@@ -18,10 +18,10 @@ from transformers import Glm4MoeForCausalLM
 
 from benchmarks.common import machine, write_json
 from specdoctor.battery import load_battery
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import TextCodec
 
 
 def transformers_generate(model, prompt: list[int], max_tokens: int, eos: tuple[int, ...]) -> list[int]:

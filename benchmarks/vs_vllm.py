@@ -22,10 +22,11 @@ from rich.table import Table
 
 from benchmarks.common import machine, write_json
 from specdoctor.battery import load_battery
-from specdoctor.runtime.checkpoint import DEMO_DIR, Checkpoint
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import TextCodec
 from tests.helpers.servers import SpecdoctorServer
 from tests.peer.vllm_server import VllmServer, completion_with_counters
 

@@ -36,9 +36,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from scripts import dspark_training
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.drafter.keys import drafter_layer_key, is_drafter_head
+from specdoctor.runtime.drafter.mtp import drafter_layer_key, is_drafter_head
 from specdoctor.runtime.models.dspark import read_dspark_config
-from specdoctor.runtime.models.layers import Router
+from specdoctor.runtime.models.moe import Router
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.models.stage import TargetStage

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from specdoctor.commands.check import CheckOptions, run_check
-from specdoctor.runtime.checkpoint import DEMO_DIR, DEMO_MODELS
+from specdoctor.runtime.checkpoint.files import DEMO_DIR, DEMO_MODELS
 from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
 from tests.quant.fp8_checkpoint import write_fp8_checkpoint
@@ -259,7 +259,7 @@ def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path)
     and 20 zero rows. A repaired table whose rows are off by one fails; a TP size that does not split
     the padded vocabulary is refused, as vLLM's VocabParallelEmbedding refuses it."""
     from specdoctor.errors import SpecdoctorError
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.drafter.repair import check_vocab_shard
     from tests.conftest import make_hf_checkpoint
 

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import embedding_candidates
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.mtp import embedding_candidates
 from tests.conftest import make_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"
@@ -223,7 +223,7 @@ def test_cli_reports_damage_in_one_line_with_exit_2_and_writes_nothing(copy, cas
 
 
 def test_shape_mismatch_is_an_error_naming_the_tensor(copy):
-    from specdoctor.runtime.loader import load_target_stage
+    from specdoctor.runtime.checkpoint.loader import load_target_stage
 
     config = json.loads((copy / "config.json").read_text())
     config["intermediate_size"] = 100

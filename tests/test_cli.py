@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from tests.conftest import make_hf_checkpoint
 
 

@@ -8,10 +8,11 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.generation import GenerateRequest, decode_batch
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import load_codec
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import load_codec
 from specdoctor.runtime.worker import load_rank
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdoctor.runtime.checkpoint import DEMO_DRAFTERS, DEMO_MODELS, Checkpoint, DrafterCheckpoint
+from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
+from specdoctor.runtime.checkpoint.loader import load_full_target
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.requests import GenerateRequest
+from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.generation import GenerateRequest, decode_batch
-from specdoctor.runtime.loader import load_full_target
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import TextCodec
 from specdoctor.runtime.worker import load_rank
 from tests.test_demo_runtime import NEW_TOKENS, TEXTS
 

@@ -7,8 +7,9 @@ import torch
 from tokenizers import Tokenizer
 
 from specdoctor.commands.inspect import summarize
-from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
-from specdoctor.runtime.loader import load_full_target
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+from specdoctor.runtime.checkpoint.loader import load_full_target
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from tests.helpers.acceptance_trace import position0_acceptance
 from tests.helpers.loading import load_target_and_drafter
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.comm import PipelineError
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.generation import GenerateRequest, decode_batch
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.tokenizer import TextCodec
 from specdoctor.runtime.worker import load_rank
 from tests.helpers.checkpoints import zeroed_enorm_copy
 

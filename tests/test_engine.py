@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.loader import load_target_stage
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineError
+from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.loader import load_target_stage
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.reference_decoder import greedy_generate
 
@@ -210,7 +210,7 @@ def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
 
 
 def test_the_first_rank_beats_once_a_second_unless_streaming():
-    from specdoctor.runtime.generation import GenerateResult
+    from specdoctor.runtime.decode.requests import GenerateResult
     from specdoctor.runtime.worker import StepReporter
 
     sent = []

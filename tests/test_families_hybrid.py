@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from specdoctor.commands.check import run_check
 from specdoctor.commands.inspect import summarize
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.kv_cache import new_cache
+from specdoctor.runtime.cache.kv_cache import new_cache
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,

@@ -48,7 +48,7 @@ def test_pipeline_matches_single_process(qwen3):
 )
 def test_settings_the_runtime_does_not_run_are_refused_not_approximated(tmp_path, overrides, reason):
     from specdoctor.errors import CheckpointError
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
 
     make_qwen3_checkpoint(tmp_path, **overrides)
     with pytest.raises(CheckpointError, match=reason):

@@ -146,8 +146,9 @@ def test_dispatcher_picks_torch_on_cpu_and_obeys_the_override(monkeypatch):
 def test_runtime_and_checks_run_on_the_triton_kernels(monkeypatch):
     """The speculative step and the statistics check go through the dispatcher: forced to Triton
     (interpreted), they give the same tokens, acceptance and statistics as the torch path."""
-    from specdoctor.runtime.drafter.state import tensor_stats
-    from specdoctor.runtime.generation import GenerateRequest, decode_batch
+    from specdoctor.runtime.decode.batch import decode_batch
+    from specdoctor.runtime.decode.requests import GenerateRequest
+    from specdoctor.runtime.drafter.measure import tensor_stats
     from specdoctor.runtime.options import RuntimeOptions
     from specdoctor.runtime.worker import load_rank
 
@@ -234,7 +235,7 @@ def test_every_kernel_compiles_for_a100_and_h100():
     launches it at a real model's sizes: a kernel the interpreter runs but a GPU compiler rejects fails here."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter's functions cannot be compiled
     result = subprocess.run(
-        [sys.executable, "-m", "specdoctor.kernels.targets"], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "specdoctor.kernels.aot"], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.loader import load_target_stage
+from specdoctor.runtime.checkpoint.loader import load_target_stage
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.reference_decoder import greedy_generate
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.loading import load_target_and_drafter
 

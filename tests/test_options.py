@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import DEMO_DIR, Checkpoint
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
 from tests.test_check import specdoctor
 

@@ -18,7 +18,7 @@ import pytest
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.probe.client import acceptance, enable_hint, probe_findings
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port
 

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.families import make_family_checkpoint
 from tests.helpers.tool_env import ROOT, PeerUnavailable

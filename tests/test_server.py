@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.server.protocol import PLAIN_CHAT_TEMPLATE, ChatMessage, render_chat
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port
@@ -213,8 +213,8 @@ def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
 
 
 def demo_codec():
-    from specdoctor.runtime.checkpoint import Checkpoint
-    from specdoctor.runtime.tokenizer import load_codec
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
 
     return load_codec(Checkpoint("demo"), None, needed_for="the test")
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from specdoctor.checks.drafter import drafter_findings
 from specdoctor.commands.check import run_check
-from specdoctor.runtime.checkpoint import DEMO_DIR
-from specdoctor.runtime.drafter.state import measure_drafter
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 from tests.conftest import make_hf_checkpoint
@@ -133,7 +133,7 @@ def with_own_embedding(tmp_path, name: str, change):
 )
 def test_an_mtp_layers_own_embedding_is_compared_with_the_targets(tmp_path, name, change, severity, words):
     from specdoctor.checks.own_copies import own_copy_findings
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
 
     findings = own_copy_findings(Checkpoint(with_own_embedding(tmp_path, name, change)))
     # The demo ships its MTP head too, identical to lm_head (it was trained shared).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdoctor.runtime.sampling import SamplingParams, probabilities
-from specdoctor.runtime.verify import PLACEHOLDER, verify_greedy, verify_random
+from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
+from specdoctor.runtime.decode.sampling import SamplingParams, probabilities
 
 P = PLACEHOLDER
 

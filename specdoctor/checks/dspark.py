@@ -8,11 +8,11 @@ import torch
 
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
-from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint
-from specdoctor.runtime.drafter.dspark_loading import EMBEDDING, HEAD, expected_source
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.dspark import EMBEDDING, HEAD, DrafterCheckpoint, expected_source
+from specdoctor.runtime.drafter.taps import entry_owner
 from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems
 from specdoctor.runtime.partition import Placement
-from specdoctor.runtime.taps import entry_owner
 
 TAP_HINTS = {
     "zeros": "the engine must send each rank's taps on with the hidden states (vLLM 0.32: "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from specdoctor.report import Finding
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import own_embedding_key, own_head_key, target_embedding_key, target_head_key
+from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.mtp import own_embedding_key, own_head_key
 
 SAMPLED_ROWS = 64
 CHUNK_ROWS = 4096  # rows of the target read at a time when looking for where a copy's rows came from

@@ -6,15 +6,15 @@ from specdoctor.checks.dspark import dspark_preflight
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.architectures import ARCHITECTURES
-from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint
-from specdoctor.runtime.drafter.keys import (
-    TARGET_HEAD,
+from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
+from specdoctor.runtime.drafter.mtp import (
     drafter_embedding_key,
     embedding_candidates,
     expected_mtp_keys,
     own_embedding_keys,
     own_head_key,
-    target_embedding_key,
 )
 from specdoctor.runtime.partition import Placement
 

@@ -21,7 +21,7 @@ from rich.table import Table
 from specdoctor.commands.options import BatteryOption, runtime_command
 from specdoctor.commands.output import emit_json_or_table
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.options import RuntimeOptions
 
 SCHEMA = "specdoctor.bench/1"
@@ -119,9 +119,9 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
 
 def run_bench(options: BenchOptions, show_progress: bool) -> dict:
     from specdoctor.battery import battery_prompts
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.tokenizer import load_codec
 
     if options.batch_size < 1 or options.max_tokens < 1:
         raise SpecdoctorError("--batch-size and --max-tokens must be at least 1")

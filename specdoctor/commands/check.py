@@ -82,8 +82,8 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     # Imported here: the CLI itself starts without torch (probe and --help need none).
     from specdoctor.checks.own_copies import own_copy_findings
     from specdoctor.checks.preflight import preflight
-    from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint, drafter_checkpoint_path
-    from specdoctor.runtime.drafter.block import default_speculative_tokens
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.drafter.dspark import DrafterCheckpoint, default_speculative_tokens, drafter_checkpoint_path
     from specdoctor.runtime.drafter.repair import vocab_shard_range
     from specdoctor.runtime.partition import placements
 
@@ -119,8 +119,8 @@ def pairing_error(report: CheckReport) -> str | None:
 def run_stages(report: CheckReport, options: CheckOptions, checkpoint, show_progress: bool) -> None:
     """Start the ranks; the target-only battery; the before stage; with --repair, repair and the after stage."""
     from specdoctor.battery import battery_prompts
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.tokenizer import load_codec
 
     prompts, fallback = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, options.runtime.tokenizer))
     if fallback:

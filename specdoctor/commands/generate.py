@@ -38,8 +38,8 @@ def generate(
     as_json: JsonFlagOption = False,
 ) -> None:
     """Generate text with the pipeline runtime; print it with the acceptance metrics."""
-    from specdoctor.runtime.sampling import SamplingParams
-    from specdoctor.runtime.tokenizer import read_prompt_file
+    from specdoctor.runtime.checkpoint.tokenizer import read_prompt_file
+    from specdoctor.runtime.decode.sampling import SamplingParams
 
     prompts = list(prompt or []) + (read_prompt_file(prompts_file) if prompts_file else [])
     report = run_generate(runtime, prompts, max_tokens, SamplingParams(temperature, top_k, top_p, seed), not as_json)
@@ -53,10 +53,10 @@ def generate(
 
 def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, sampling, show_progress: bool):
     """Generate for every prompt; returns the report (None on the non-zero ranks under torchrun)."""
-    from specdoctor.runtime.checkpoint import Checkpoint
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
+    from specdoctor.runtime.decode.requests import GenerateRequest
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.generation import GenerateRequest
-    from specdoctor.runtime.tokenizer import load_codec
     from specdoctor.runtime.worker import launched_by_torchrun, run_under_torchrun
 
     if not prompts:

@@ -38,7 +38,8 @@ def inspect(
     """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
     keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --pp ranks and the
     pre-flight's findings."""
-    from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint, drafter_checkpoint_path
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.drafter.dspark import DrafterCheckpoint, drafter_checkpoint_path
 
     drafter_path = drafter_checkpoint_path(model, speculative_model)
     summary = summarize(Checkpoint(model), pp, DrafterCheckpoint(drafter_path) if drafter_path else None)
@@ -62,13 +63,8 @@ def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
     from specdoctor.checks.preflight import preflight
     from specdoctor.commands.check import placement_row
     from specdoctor.runtime.architectures import ARCHITECTURES
-    from specdoctor.runtime.drafter.keys import (
-        TARGET_HEAD,
-        drafter_embedding_key,
-        embedding_candidates,
-        expected_mtp_keys,
-        target_embedding_key,
-    )
+    from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
+    from specdoctor.runtime.drafter.mtp import drafter_embedding_key, embedding_candidates, expected_mtp_keys
     from specdoctor.runtime.partition import placements
 
     config, tensors = checkpoint.config, checkpoint.tensors

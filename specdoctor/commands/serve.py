@@ -89,10 +89,11 @@ def startup_check(engine, options: ServeOptions, console: Console) -> list:
 def run_serve(options: ServeOptions) -> None:
     import uvicorn
 
-    from specdoctor.runtime.checkpoint import DEMO_MODELS, Checkpoint
+    from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.partition import placements
-    from specdoctor.runtime.tokenizer import load_codec
     from specdoctor.server.app import ServerState, create_app
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template

@@ -22,7 +22,7 @@ from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH, acceptan
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.report import Finding, ProbeReport
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 
 SPEC_PREFIX = "vllm:spec_decode_"
 

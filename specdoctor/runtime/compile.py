@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.models.layers import MoE
+from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
 # A verify pass feeds the pending token and k <= 8 drafts; the drafter's chain steps feed one position.

@@ -18,25 +18,25 @@ from rich.console import Console
 from rich.progress import Progress
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import model_eos_token_ids
 from specdoctor.runtime.comm import PipelineError
-from specdoctor.runtime.continuous import CANCEL, JOIN, RowUpdate
-from specdoctor.runtime.drafter.block import default_speculative_tokens, open_block_drafter
-from specdoctor.runtime.drafter.repair import RepairResult
-from specdoctor.runtime.drafter.state import DrafterState
-from specdoctor.runtime.generation import (
+from specdoctor.runtime.decode.continuous import CANCEL, JOIN, RowUpdate
+from specdoctor.runtime.decode.requests import (
     GenerateRequest,
     GenerateResult,
     SequenceRequest,
-    check_request,
-    check_sequences,
-    check_speculative_tokens,
+    validate_request,
+    validate_sequences,
+    validate_speculative_tokens,
 )
+from specdoctor.runtime.decode.sampling import SamplingParams
+from specdoctor.runtime.drafter.dspark import default_speculative_tokens, open_block_drafter
+from specdoctor.runtime.drafter.measure import DrafterState
+from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
-from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tap_probe import TapReading
-from specdoctor.runtime.tokenizer import model_eos_token_ids
 from specdoctor.runtime.worker import rank_main
 
 
@@ -164,7 +164,7 @@ class Engine:
             stream=on_tokens is not None,
             draft_sample_method=self.options.draft_sample_method,
         )
-        check_request(request, self.config, self.speculates)
+        validate_request(request, self.config, self.speculates)
         self._inbox.put(("generate", request))
         return self._wait_for("result", self.silence_limit_s, on_partial=on_tokens)[2]
 
@@ -174,13 +174,13 @@ class Engine:
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        check_speculative_tokens(k, self.speculates)
+        validate_speculative_tokens(k, self.speculates)
         self.continuous_k = k
         self._inbox.put(("continuous", (k, self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC)))
 
     def join(self, request_id: str, sequence: SequenceRequest) -> None:
         """Queue a request to join the running batch before the next step (checked here, not on the ranks)."""
-        check_sequences([sequence], self.continuous_k, self.config, self.speculates)
+        validate_sequences([sequence], self.continuous_k, self.config, self.speculates)
         self._inbox.put((JOIN, (request_id, sequence)))
 
     def cancel(self, request_id: str) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdoctor.runtime.generation import RankModel, pipeline_pass
-from specdoctor.runtime.taps import entry_owner
+from specdoctor.runtime.decode.pipeline import RankModel, pipeline_pass
+from specdoctor.runtime.drafter.taps import entry_owner
 
 
 @dataclass

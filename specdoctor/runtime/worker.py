@@ -13,21 +13,23 @@ from collections.abc import Callable
 import torch
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.checkpoint.loader import load_target_stage
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
 from specdoctor.runtime.compile import compile_decode
-from specdoctor.runtime.continuous import run_continuous
-from specdoctor.runtime.drafter.block import open_block_drafter
-from specdoctor.runtime.drafter.dspark_loading import build_dspark_drafter
-from specdoctor.runtime.drafter.loading import Provenance, build_drafter
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.continuous import run_continuous
+from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
+from specdoctor.runtime.decode.requests import GenerateRequest
+from specdoctor.runtime.drafter.dspark import build_dspark_drafter, open_block_drafter
+from specdoctor.runtime.drafter.measure import measure_drafter
+from specdoctor.runtime.drafter.mtp import build_drafter
+from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import repair_drafter
-from specdoctor.runtime.drafter.state import measure_drafter
-from specdoctor.runtime.generation import GenerateRequest, RankModel, decode_batch, prompt_logits
-from specdoctor.runtime.loader import load_target_stage
+from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.options import Device, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
-from specdoctor.runtime.taps import tap_route
 
 # Operations only the drafter's rank answers: what the live drafter holds, and its repair.
 DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}

@@ -10,10 +10,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
+from specdoctor.runtime.decode.requests import SequenceRequest
+from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.generation import SequenceRequest
-from specdoctor.runtime.sampling import SamplingParams
-from specdoctor.runtime.tokenizer import TextCodec
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, render_chat
 from specdoctor.server.reply import Reply

@@ -7,7 +7,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -9,8 +9,8 @@ import json
 import time
 import uuid
 
-from specdoctor.runtime.logprobs import TokenLogprob
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.server.protocol import RequestError, SamplingFields
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 

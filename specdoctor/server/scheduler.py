@@ -15,11 +15,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdoctor.runtime.continuous import RowUpdate
+from specdoctor.runtime.decode.continuous import RowUpdate
+from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.engine import Engine
-from specdoctor.runtime.generation import SequenceRequest
-from specdoctor.runtime.logprobs import TokenLogprob
-from specdoctor.runtime.metrics import SpecMetrics
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import RequestError
 

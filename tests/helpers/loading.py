@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.block import open_block_drafter
-from specdoctor.runtime.drafter.dspark_loading import build_dspark_drafter
-from specdoctor.runtime.drafter.loading import Provenance, build_drafter
-from specdoctor.runtime.loader import load_full_target
+from specdoctor.runtime.checkpoint.loader import load_full_target
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.dspark import build_dspark_drafter, open_block_drafter
+from specdoctor.runtime.drafter.mtp import build_drafter
+from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage

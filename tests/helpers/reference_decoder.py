@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.generation import pad_right
-from specdoctor.runtime.kv_cache import new_cache
+from specdoctor.runtime.cache.kv_cache import new_cache
+from specdoctor.runtime.decode.pipeline import pad_right
 from specdoctor.runtime.models.stage import TargetStage
 
 

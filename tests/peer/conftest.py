@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdoctor.runtime.checkpoint import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from tests.peer.vllm_env import PeerUnavailable, ensure_vllm
 from tests.peer.vllm_server import VllmServer
 

@@ -15,13 +15,14 @@ import pytest
 from specdoctor.battery import load_battery
 from specdoctor.checks.preflight import ranks_without_moe_layer
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import DEMO_DIR, Checkpoint
+from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.drafter.repair import vocab_shard_range
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import layer_ranges, placements
-from specdoctor.runtime.tokenizer import TextCodec
 from tests.helpers.checkpoints import zeroed_enorm_copy
 from tests.helpers.servers import free_port
 from tests.peer.conftest import K, start_or_fail
@@ -111,9 +112,9 @@ def test_placement_matches_what_vllms_glm_model_builds_on_each_rank(goldens):
 def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
     """The aux layers vLLM's target captures for a DSpark or DFlash config (ids + 1, sorted, de-duplicated),
     its mask token, and how many of them reach each PP rank from upstream, against the runtime's."""
+    from specdoctor.runtime.drafter.taps import tap_route
     from specdoctor.runtime.models.dspark import read_dspark_config
     from specdoctor.runtime.options import TapPolicy
-    from specdoctor.runtime.taps import tap_route
     from tests.helpers.dspark import drafter_fields
 
     dspark = goldens[0]["dspark"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from specdoctor.probe import prometheus
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import free_port
 from tests.peer.vllm_env import PeerUnavailable, ensure_vllm
 

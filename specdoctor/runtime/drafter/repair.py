@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import DRAFTER_EMBEDDING
-from specdoctor.runtime.drafter.state import expected_tensor
-from specdoctor.runtime.loader import load_module
+from specdoctor.runtime.checkpoint.loader import load_module
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.measure import expected_tensor
+from specdoctor.runtime.drafter.mtp import DRAFTER_EMBEDDING
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
 

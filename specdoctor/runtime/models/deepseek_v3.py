@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdoctor.errors import CheckpointError
+from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, YarnScaling, common_fields
-from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.models.layers import DecoderBlock, DeepseekMtpLayer, RMSNorm, attention_span
+from specdoctor.runtime.models.attention import attention_span
+from specdoctor.runtime.models.blocks import DecoderBlock, DeepseekMtpLayer
+from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.rope import apply_rotary, apply_rotary_interleaved, yarn_mscale
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")

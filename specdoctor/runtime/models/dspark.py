@@ -15,8 +15,8 @@ from torch import nn
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import NO_MTP
+from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig, RawConfig
-from specdoctor.runtime.kv_cache import KVCache, new_cache
 from specdoctor.runtime.models import qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.rope import apply_rotary, rotary_cos_sin

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.cache.kv_cache import KVCache
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -9,7 +9,8 @@ score-correction bias, plus shared experts). vLLM 0.32: `models/glm4_moe.py` (ta
 from __future__ import annotations
 
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields
-from specdoctor.runtime.models.layers import Attention, DecoderBlock, DeepseekMtpLayer
+from specdoctor.runtime.models.attention import Attention
+from specdoctor.runtime.models.blocks import DecoderBlock, DeepseekMtpLayer
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 

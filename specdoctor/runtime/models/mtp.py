@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.kv_cache import KVCache, new_cache
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
 

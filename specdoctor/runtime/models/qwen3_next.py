@@ -21,10 +21,13 @@ from torch import nn
 
 from specdoctor import kernels
 from specdoctor.errors import CheckpointError
+from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields
-from specdoctor.runtime.kv_cache import KVCache
+from specdoctor.runtime.models.attention import attention_span
+from specdoctor.runtime.models.blocks import DecoderBlock
 from specdoctor.runtime.models.gated_deltanet import GatedDeltaNet
-from specdoctor.runtime.models.layers import MLP, DecoderBlock, MoE, RMSNorm, attention_span
+from specdoctor.runtime.models.layers import MLP, RMSNorm
+from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.models.rope import apply_rotary
 
 FUSED_PROJECTION = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": False}

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.checkpoint import Checkpoint, DrafterCheckpoint
-from specdoctor.runtime.drafter.keys import target_embedding_key, target_head_key
-from specdoctor.runtime.drafter.loading import Provenance, fill_unloaded, has_real_weight
-from specdoctor.runtime.loader import allocate, load_module
-from specdoctor.runtime.models.dspark import DSparkDrafter
+from specdoctor.errors import CheckpointError
+from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS, resolve_model_path
+from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
+from specdoctor.runtime.checkpoint.loader import allocate, load_module
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.policy import Provenance, fill_unloaded, has_real_weight
+from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems, read_dspark_config
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, MarkovPolicy, RuntimeOptions
 
@@ -109,3 +111,57 @@ def place_head(drafter, own: DrafterCheckpoint, target_checkpoint, target, optio
         key = target_head_key(target_checkpoint)
         load_module(drafter.lm_head, target_checkpoint, lambda _name: key)
         provenance.sources[HEAD] = f"checkpoint:{key}"
+
+
+class DrafterCheckpoint(Checkpoint):
+    """A drafter that is a checkpoint of its own (DSpark, runtime/models/dspark.py): a config the runtime runs
+    or refuses outright, and its own tensors."""
+
+    what = "drafter"
+
+    @staticmethod
+    def read_config(raw, source: str):
+        return read_dspark_config(raw, source)
+
+    def unrunnable_reason(self) -> str | None:
+        return self.quantization_refusal()
+
+
+def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | None:
+    """The drafter checkpoint to open: the one asked for, else the one a demo model brings (named, or by its
+    directory), else None."""
+    if speculative_model is not None:
+        return speculative_model
+    path = resolve_model_path(model)
+    found = next(
+        (DEMO_DRAFTERS[name] for name, demo in DEMO_MODELS.items() if demo == path and name in DEMO_DRAFTERS), None
+    )
+    return str(found) if found else None
+
+
+DEFAULT_SPECULATIVE_TOKENS = 3  # check's k for an MTP drafter, or a block drafter that names no block size
+
+
+def open_block_drafter(model: str, speculative_model: str | None, target: Checkpoint) -> DrafterCheckpoint | None:
+    """The drafter checkpoint for this target (asked for, or the one a demo brings), checked against the
+    target and runnable by the runtime; None for a target that drafts with its own MTP layers or not at all."""
+    path = drafter_checkpoint_path(model, speculative_model)
+    if path is None:
+        return None
+    drafter = DrafterCheckpoint(path)
+    if target.config.num_nextn_predict_layers:
+        raise CheckpointError(
+            f"{target.path}: the target has its own MTP layers; a drafter checkpoint ({drafter.path}) is not run "
+            "beside them"
+        )
+    problems = pairing_problems(drafter.config, target.config)
+    if problems:
+        raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
+    drafter.require_runnable()
+    return drafter
+
+
+def default_speculative_tokens(drafter: DrafterCheckpoint | None) -> int:
+    """vLLM's default for a DSpark drafter is its block size; check's default otherwise."""
+    block = drafter.config.block_size if drafter else None
+    return block or DEFAULT_SPECULATIVE_TOKENS

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from specdoctor.runtime.kv_cache import KVCache
-from specdoctor.runtime.rows import take_rows
-from specdoctor.runtime.sampling import RowSampler, probabilities, sample
-from specdoctor.runtime.verify import verify_greedy, verify_random
+from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.cache.regroup import take_rows
+from specdoctor.runtime.decode.rejection import verify_greedy, verify_random
+from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
 
 
 def finish_device_work(device: torch.device) -> None:

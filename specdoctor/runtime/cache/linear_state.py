@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.rows import take_rows
+from specdoctor.runtime.cache.regroup import take_rows
 
 
 class LinearStates:

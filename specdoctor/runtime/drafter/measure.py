@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specdoctor import kernels
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.dspark_loading import CONFIDENCE, expected_source
-from specdoctor.runtime.drafter.keys import expected_key
-from specdoctor.runtime.drafter.loading import has_real_weight
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.dspark import CONFIDENCE, expected_source
+from specdoctor.runtime.drafter.mtp import expected_key
+from specdoctor.runtime.drafter.policy import has_real_weight
 from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.checkpoint import Checkpoint
-from specdoctor.runtime.drafter.keys import target_key_for
+from specdoctor.runtime.checkpoint.keys import target_key_for
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.stage import TargetStage
 
 

@@ -8,186 +8,27 @@ broadcast how many tokens were accepted, so positions and KV caches stay in sync
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.checkpoint import Checkpoint
+from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.cache.regroup import take_rows
 from specdoctor.runtime.comm import PipelineComm
-from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.drafter.loading import Provenance
-from specdoctor.runtime.kv_cache import KVCache, new_cache
-from specdoctor.runtime.logprobs import TokenLogprob, emitted_logprobs
-from specdoctor.runtime.metrics import SpecMetrics
-from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
-from specdoctor.runtime.partition import Placement
-from specdoctor.runtime.rows import take_rows
-from specdoctor.runtime.sampling import RowSampler, SamplingParams
-from specdoctor.runtime.speculative import Drafts, commit, finish_device_work, speculative_step
-from specdoctor.runtime.taps import TapRoute
-from specdoctor.runtime.verify import PLACEHOLDER
-
-
-@dataclass(frozen=True)
-class SequenceRequest:
-    """One sequence to generate: its prompt, its limit, how it samples, and the token ids that end it."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # report each token's log-probability and this many top alternatives
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompts: list[list[int]]
-    max_new_tokens: int | list[int]  # one limit for the batch, or one per prompt
-    sampling: SamplingParams = SamplingParams()
-    num_speculative_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    stream: bool = False  # report the tokens so far after every step (costs a message per step)
-    draft_sample_method: DraftSampleMethod = DraftSampleMethod.GREEDY  # when sampling: how drafts are picked
-
-    def limits(self) -> list[int]:
-        if isinstance(self.max_new_tokens, int):
-            return [self.max_new_tokens] * len(self.prompts)
-        return list(self.max_new_tokens)
-
-    def sequences(self) -> list[SequenceRequest]:
-        """One per prompt; a seeded batch gives row r the seed + r, so its rows draw different numbers."""
-        sampling = self.sampling
-
-        def seeded(row: int) -> SamplingParams:
-            return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + row)
-
-        return [
-            SequenceRequest(prompt, limit, seeded(row), self.eos_token_ids)
-            for row, (prompt, limit) in enumerate(zip(self.prompts, self.limits(), strict=True))
-        ]
-
-
-@dataclass
-class GenerateResult:
-    tokens: list[list[int]]
-    finish_reasons: list[str]
-    metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
-    row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
-    rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
-    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
-
-
-# Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
-# (plus head and acceptance on the last rank), the drafter, inter-rank transfers (waiting for a
-# peer included), and the host bookkeeping that appends tokens.
-STEP_PHASES = ("prefill_s", "decode_s", "target_s", "draft_s", "transfer_s", "host_s", "steps")
-
-
-@dataclass
-class RankModel:
-    placement: Placement
-    stage: TargetStage
-    drafter: object | None  # on the drafter's rank: an MtpDrafter or a DSparkDrafter
-    comm: PipelineComm
-    device: torch.device
-    dtype: torch.dtype
-    checkpoint: Checkpoint | None = None
-    provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
-    state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
-    taps: TapRoute | None = None  # a block drafter's taps: this rank's part in moving them
-    drafter_checkpoint: Checkpoint | None = None  # a drafter that is a checkpoint of its own
-
-    @property
-    def speculates(self) -> bool:
-        """The pipeline has a drafter: the target's MTP layers, or a drafter checkpoint."""
-        return bool(self.stage.config.num_nextn_predict_layers or self.drafter_checkpoint)
-
-    def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
-        """A cache for this rank's layers, or for the drafter's."""
-        if drafter:
-            return self.drafter.new_cache(batch, max_len, self.dtype, self.device)
-        config = self.stage.config
-        return new_cache(
-            config, self.stage.layer_ids, batch, max_len, self.dtype, self.device, False, self.state_rollback
-        )
-
-
-def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [B, Lmax] padded with 0 (padding lands past each sequence's end, masked by position)
-    and the prompt lengths [B]."""
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
-    return ids, lengths
-
-
-def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, captured=None):
-    """Run this rank's layers on a [B, T] step. The last rank gets (hidden states [B, T, H], a block drafter's
-    taps [B, T, taps, H] or None); the others (None, None). Taps travel with the hidden states (runtime/taps.py).
-    `captured`, when given, receives every entry this rank's stage captured (the tap probe)."""
-    placement, stage, route = model.placement, model.stage, model.taps
-    upstream: list[torch.Tensor] = []
-    if placement.is_first:
-        inputs = tokens
-    else:
-        received = route.received if route else 0
-        width = (1 + received,) if received else ()
-        inputs = model.comm.recv_prev((*tokens.shape, *width, stage.config.hidden_size), model.dtype)
-        if received:
-            inputs, *upstream = inputs.unbind(2)
-    hidden, own = stage.forward_with_taps(inputs, positions, cache)
-    if captured is not None:
-        captured.update(own)
-    if placement.is_last:
-        return hidden, route.assemble(upstream, own, hidden) if route else None
-    sent = [*upstream, *(own[entry] for entry in route.own)] if route and route.sent else []
-    model.comm.send_next(torch.stack([hidden, *sent], dim=2) if sent else hidden)
-    return None, None
-
-
-@torch.no_grad()
-def prompt_logits(model: RankModel, prompts: list[list[int]]) -> torch.Tensor | None:
-    """Target logits at every prompt position, [B, Lmax, V] on the last rank (rows past a prompt's end are padding)."""
-    ids, _ = pad_right(prompts, model.device)
-    positions = torch.arange(ids.shape[1], device=ids.device).expand(len(prompts), -1)
-    hidden, _ = pipeline_pass(model, ids, positions, model.cache(len(prompts), ids.shape[1]))
-    return None if hidden is None else model.stage.logits(hidden).float().cpu()
-
-
-def check_request(request: GenerateRequest, cfg: ModelConfig, speculates: bool) -> None:
-    if len(request.limits()) != len(request.prompts):
-        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    check_sequences(request.sequences(), request.num_speculative_tokens, cfg, speculates)
-
-
-def check_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig, speculates: bool) -> None:
-    if not sequences or any(len(s.prompt) == 0 for s in sequences):
-        raise SpecdoctorError("every prompt needs at least one token")
-    if min(s.max_new_tokens for s in sequences) < 1:
-        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
-    check_speculative_tokens(k, speculates)
-    longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
-    if longest > cfg.max_position_embeddings:
-        raise SpecdoctorError(
-            f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
-        )
-
-
-def check_speculative_tokens(k: int, speculates: bool) -> None:
-    """`speculates`: the pipeline has a drafter (the target's MTP layers, or a drafter checkpoint)."""
-    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise SpecdoctorError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
-    if k and not speculates:
-        raise SpecdoctorError(
-            "this model has no MTP layers (num_nextn_predict_layers = 0) and no drafter checkpoint was given "
-            "(--speculative-model): no drafter to run"
-        )
+from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.decode.pipeline import RankModel, pad_right, pipeline_pass
+from specdoctor.runtime.decode.rejection import PLACEHOLDER
+from specdoctor.runtime.decode.requests import (
+    STEP_PHASES,
+    GenerateRequest,
+    GenerateResult,
+    SequenceRequest,
+    validate_request,
+)
+from specdoctor.runtime.decode.sampling import RowSampler
+from specdoctor.runtime.decode.speculative import Drafts, commit, finish_device_work, speculative_step
+from specdoctor.runtime.options import DraftSampleMethod
 
 
 class BatchState:
@@ -312,7 +153,7 @@ class BatchState:
 def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> GenerateResult:
     """Run one batch of prompts to completion; every rank returns the same result.
     `on_step(result)` sees the result as it grows, after every step (for streaming)."""
-    check_request(request, model.stage.config, model.speculates)
+    validate_request(request, model.stage.config, model.speculates)
     sampled_drafts = request.draft_sample_method == DraftSampleMethod.PROBABILISTIC
     state = BatchState(model, request.sequences(), request.num_speculative_tokens, sampled_drafts)
     times = dict.fromkeys(STEP_PHASES, 0.0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.linear_state import LinearStates
-from specdoctor.runtime.rows import pad_length, take_rows
+from specdoctor.runtime.cache.linear_state import LinearStates
+from specdoctor.runtime.cache.regroup import pad_length, take_rows
 
 
 class KVCache:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdoctor.runtime.generation import BatchState, RankModel, SequenceRequest
-from specdoctor.runtime.logprobs import TokenLogprob
-from specdoctor.runtime.metrics import SpecMetrics
+from specdoctor.runtime.decode.batch import BatchState
+from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.decode.pipeline import RankModel
+from specdoctor.runtime.decode.requests import SequenceRequest
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""What a caller asks the pipeline to generate, what it gets back, and the validation every request
+passes before any rank sees it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.decode.sampling import SamplingParams
+from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: its prompt, its limit, how it samples, and the token ids that end it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompts: list[list[int]]
+    max_new_tokens: int | list[int]  # one limit for the batch, or one per prompt
+    sampling: SamplingParams = SamplingParams()
+    num_speculative_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    stream: bool = False  # report the tokens so far after every step (costs a message per step)
+    draft_sample_method: DraftSampleMethod = DraftSampleMethod.GREEDY  # when sampling: how drafts are picked
+
+    def limits(self) -> list[int]:
+        if isinstance(self.max_new_tokens, int):
+            return [self.max_new_tokens] * len(self.prompts)
+        return list(self.max_new_tokens)
+
+    def sequences(self) -> list[SequenceRequest]:
+        """One per prompt; a seeded batch gives row r the seed + r, so its rows draw different numbers."""
+        sampling = self.sampling
+
+        def seeded(row: int) -> SamplingParams:
+            return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + row)
+
+        return [
+            SequenceRequest(prompt, limit, seeded(row), self.eos_token_ids)
+            for row, (prompt, limit) in enumerate(zip(self.prompts, self.limits(), strict=True))
+        ]
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    proposals: list[int] = field(default_factory=list)  # every draft token proposed, for constant-output checks
+    row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
+    rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
+
+
+# Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
+# (plus head and acceptance on the last rank), the drafter, inter-rank transfers (waiting for a
+# peer included), and the host bookkeeping that appends tokens.
+STEP_PHASES = ("prefill_s", "decode_s", "target_s", "draft_s", "transfer_s", "host_s", "steps")
+
+
+def validate_request(request: GenerateRequest, cfg: ModelConfig, speculates: bool) -> None:
+    if len(request.limits()) != len(request.prompts):
+        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
+    validate_sequences(request.sequences(), request.num_speculative_tokens, cfg, speculates)
+
+
+def validate_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfig, speculates: bool) -> None:
+    if not sequences or any(len(s.prompt) == 0 for s in sequences):
+        raise SpecdoctorError("every prompt needs at least one token")
+    if min(s.max_new_tokens for s in sequences) < 1:
+        raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
+    validate_speculative_tokens(k, speculates)
+    longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
+    if longest > cfg.max_position_embeddings:
+        raise SpecdoctorError(
+            f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
+        )
+
+
+def validate_speculative_tokens(k: int, speculates: bool) -> None:
+    """`speculates`: the pipeline has a drafter (the target's MTP layers, or a drafter checkpoint)."""
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise SpecdoctorError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    if k and not speculates:
+        raise SpecdoctorError(
+            "this model has no MTP layers (num_nextn_predict_layers = 0) and no drafter checkpoint was given "
+            "(--speculative-model): no drafter to run"
+        )

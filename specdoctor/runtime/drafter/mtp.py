@@ -1,0 +1,161 @@
+"""Every checkpoint-key rule about the drafter, once (docs/engine-semantics.md §MTP step and
+§Drafter embedding and head under PP).
+
+The drafter module's parameter names are `embed_tokens.weight` and `layers.{N}.…` for MTP layer N
+(N counts on from the target's layers); where the checkpoint keeps an MTP layer's tensors, and its
+optional own embedding and head, is the family's `MtpKeyLayout` (runtime/config.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdoctor.runtime.checkpoint.keys import TARGET_EMBEDDING_KEYS, target_head_key
+from specdoctor.runtime.checkpoint.loader import allocate, load_module
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.drafter.policy import Provenance, fill_unloaded, has_real_weight
+from specdoctor.runtime.models.mtp import MtpDrafter
+from specdoctor.runtime.models.registry import family_of, is_runnable
+from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
+
+DRAFTER_EMBEDDING = "embed_tokens.weight"  # the drafter's parameter name
+
+
+def own_embedding_key(config: ModelConfig, layer_id: int) -> str | None:
+    """The MTP layer's own copy of the embedding, where the layout has one (a checkpoint may still omit it)."""
+    own = config.mtp_keys.own_embedding
+    return config.mtp_keys.prefix(layer_id) + own if own else None
+
+
+def own_head_key(config: ModelConfig, layer_id: int) -> str | None:
+    own = config.mtp_keys.own_head
+    return config.mtp_keys.prefix(layer_id) + own if own else None
+
+
+def drafter_head_name(layer_id: int) -> str:
+    """The drafter parameter of MTP layer `layer_id`'s head."""
+    return f"layers.{layer_id}.shared_head.head.weight"
+
+
+def is_drafter_head(name: str) -> bool:
+    return name.startswith("layers.") and name.endswith(".shared_head.head.weight")
+
+
+def own_embedding_keys(config: ModelConfig) -> list[str]:
+    return [key for i in config.mtp_layer_ids if (key := own_embedding_key(config, i))]
+
+
+def embedding_candidates(config: ModelConfig) -> list[str]:
+    """Keys that can supply the drafter's embedding, in the order a correct loader tries them: the MTP
+    layer's own copy where the checkpoint ships one (it may differ from the target's), then the target's."""
+    return [*own_embedding_keys(config), *TARGET_EMBEDDING_KEYS]
+
+
+def drafter_embedding_key(checkpoint: Checkpoint) -> str | None:
+    """Where a correct loader reads the drafter's embedding: the first candidate present (an own copy
+    before the target's), or None."""
+    return checkpoint.first_present(embedding_candidates(checkpoint.config))
+
+
+def drafter_layer_key(config: ModelConfig, name: str) -> str | None:
+    """Checkpoint key of a drafter parameter of an MTP layer (`layers.{N}.…`); None for the embedding."""
+    if not name.startswith("layers."):
+        return None
+    layer, rest = name.removeprefix("layers.").split(".", 1)
+    layout = config.mtp_keys
+    if layout.shared_prefix + rest in layout.shared_keys:  # a part the drafter holds once (Qwen's mtp.fc, ...)
+        return layout.shared_prefix + rest
+    return layout.prefix(int(layer)) + rest
+
+
+def expected_key(checkpoint: Checkpoint, name: str) -> str | None:
+    """The checkpoint key a correctly loaded drafter parameter equals: the MTP layer's own tensor where
+    the checkpoint ships one (embedding and head included), else the target's embedding or head."""
+    if name == DRAFTER_EMBEDDING:
+        return drafter_embedding_key(checkpoint)
+    key = drafter_layer_key(checkpoint.config, name)
+    if key in checkpoint.tensors:
+        return key
+    if is_drafter_head(name):
+        return target_head_key(checkpoint)
+    return None
+
+
+def expected_mtp_keys(config: ModelConfig, layer_id: int) -> list[str]:
+    """Every key of its own an MTP layer needs: for a family the runtime runs, from its module itself (built on the meta
+    device: no memory); for another, the layout's own keys (its decoder block is not known in detail)."""
+    if not is_runnable(config):
+        return [config.mtp_keys.prefix(layer_id) + name for name in config.mtp_keys.layer_keys]
+    with torch.device("meta"):
+        layer = family_of(config).mtp_layer(config, layer_id)
+    names = [f"layers.{layer_id}.{name}" for name in layer.state_dict()]
+    # The shared parts are checked once (pre-flight's shared tensors); a layout without an own head takes lm_head.
+    keys = [drafter_layer_key(config, name) for name in names if config.mtp_keys.own_head or not is_drafter_head(name)]
+    return [key for key in keys if key not in config.mtp_keys.shared_keys]
+
+
+def build_drafter(
+    checkpoint: Checkpoint, target: TargetStage, options: RuntimeOptions, device: torch.device
+) -> tuple[MtpDrafter, Provenance]:
+    """The drafter on the last rank, loaded the way `options` says; `target` is that rank's stage."""
+    config = checkpoint.config
+    drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), device)
+    provenance = Provenance()
+    body = load_module(
+        drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
+    )
+    provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
+    provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+    _place_embedding(drafter, checkpoint, target, options, provenance)
+    _place_heads(drafter, checkpoint, target, options, provenance)
+    return drafter.eval(), provenance
+
+
+def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
+    policy, target_embedding = options.drafter_policy, target.model.embed_tokens
+    legacy_sharing = policy == EmbeddingPolicy.ENGINE_LEGACY and options.pp == 1
+    if policy == EmbeddingPolicy.ALIAS_PLACEHOLDER or legacy_sharing:
+        drafter.embed_tokens = target_embedding
+        real = has_real_weight(target_embedding)
+        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens" if real else "placeholder:model.embed_tokens"
+        return
+    own_copy = checkpoint.first_present(own_embedding_keys(checkpoint.config))
+    if policy == EmbeddingPolicy.FIXED and own_copy is None and has_real_weight(target_embedding):
+        drafter.embed_tokens = target_embedding  # no own copy: the target's, shared where it lives
+        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens"
+        return
+    # fixed: the own copy, else the target's from the checkpoint; engine-legacy at PP > 1: the own copy
+    # only, the one embedding key under the spec layer prefix.
+    key = drafter_embedding_key(checkpoint) if policy == EmbeddingPolicy.FIXED else own_copy
+    if key is None:
+        stale = target.lm_head.weight if has_real_weight(target.lm_head) else None
+        fill_unloaded(drafter.embed_tokens.weight, options.fill, stale)
+        provenance.sources[DRAFTER_EMBEDDING] = f"unfilled:{options.fill}"
+        return
+    load_module(drafter.embed_tokens, checkpoint, lambda _name: key)
+    provenance.sources[DRAFTER_EMBEDDING] = f"checkpoint:{key}"
+
+
+def _place_heads(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
+    policy = options.head_policy
+    if policy == HeadPolicy.ENGINE_LEGACY and checkpoint.config.mtp_keys.own_head is None:
+        policy = HeadPolicy.FIXED  # a layout without an own head (Qwen's mtp.*): every engine loads lm_head
+    for layer_id, layer in drafter.layers.items():
+        name, key = drafter_head_name(int(layer_id)), own_head_key(checkpoint.config, int(layer_id))
+        head = layer.shared_head.head
+        if policy != HeadPolicy.UNLOADED and key in checkpoint.tensors:
+            load_module(head, checkpoint, lambda _name, key=key: key)
+            provenance.sources[name] = f"checkpoint:{key}"
+        elif policy == HeadPolicy.FIXED and has_real_weight(target.lm_head):
+            layer.shared_head.head = target.lm_head
+            provenance.sources[name] = "alias:lm_head"
+        elif policy == HeadPolicy.FIXED:
+            fallback = target_head_key(checkpoint)
+            load_module(head, checkpoint, lambda _name, key=fallback: key)
+            provenance.sources[name] = f"checkpoint:{fallback}"
+        else:
+            stale = drafter.embed_tokens.weight if has_real_weight(drafter.embed_tokens) else None
+            fill_unloaded(head.weight, options.fill, stale)
+            provenance.sources[name] = f"unfilled:{options.fill}"

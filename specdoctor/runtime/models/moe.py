@@ -1,0 +1,127 @@
+"""Mixture-of-experts layers: the router (softmax or sigmoid with a correction bias, grouped top-k) and the
+experts, run gathered, every expert at once, or one expert at a time (by size)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.models.layers import MLP, FusedWeights, concat_weights
+
+
+class Router(nn.Module):
+    """Sigmoid router with a score-correction bias and group-limited top-k (DeepSeek-V3 / GLM-4.5)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [N, H]
+        """Return (weights [N, top_k], expert ids [N, top_k])."""
+        cfg = self.config
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)  # [N, groups]
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0).bool()
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(choice.shape)
+        expert_ids = choice.masked_fill(~expert_mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1)[1]
+        weights = scores.gather(1, expert_ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, expert_ids
+
+
+# Below this many bytes of gathered expert weights a step runs every routed expert it picked in one
+# batched matmul over copies of their weights. Above it, a layer whose routed experts together take at
+# most EVERY_EXPERT_LIMIT_BYTES runs every expert over every token (weighted 0 where not picked), and a
+# larger one loops over the experts hit, reading them in place (and its expert list on the host).
+GATHER_LIMIT_BYTES = 16 << 20
+
+
+EVERY_EXPERT_LIMIT_BYTES = 16 << 20
+
+
+class MoE(FusedWeights):
+    router: type[nn.Module] = Router  # (config) -> module returning (weights [N, k], expert ids [N, k])
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = self.router(config)
+        self.top_k = config.num_experts_per_tok
+        size = config.moe_intermediate_size
+        self.experts = nn.ModuleList(MLP(config.hidden_size, size) for _ in range(config.n_routed_experts))
+        if config.n_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, size * config.n_shared_experts)
+        self.fuse()
+
+    def fuse(self) -> None:
+        experts, (size, hidden) = len(self.experts), self.experts[0].gate_proj.weight.shape
+        self.expert_bytes = self.experts[0].gate_proj.weight.nbytes * 3  # gate, up and down
+        parts = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
+        self.gate_up = concat_weights(parts)[0].view(experts, 2 * size, hidden)  # [E, 2I, H]
+        self.down = concat_weights([expert.down_proj for expert in self.experts])[0].view(experts, hidden, size)
+        for index, expert in enumerate(self.experts):
+            expert.gate_up = self.gate_up[index]
+
+    def gathered_token_limit(self) -> int:
+        """The most tokens a pass routes through `gathered_experts`."""
+        return GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
+
+    def loop_token_limit(self) -> int | None:
+        """The most tokens a pass can take without the per-expert loop, which reads its expert list on the
+        host (so a compiled pass must stay under it); None: any number."""
+        return (
+            None if len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES else self.gathered_token_limit()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        flat = x.reshape(-1, x.shape[-1])
+        weights, expert_ids = self.gate(flat)
+        if flat.shape[0] <= self.gathered_token_limit():
+            out = self.gathered_experts(flat, weights, expert_ids)
+        elif self.loop_token_limit() is None:
+            out = self.every_expert(flat, weights, expert_ids)
+        else:
+            out = self.looped_experts(flat, weights, expert_ids)
+        return (out + self.shared(flat)).view_as(x)
+
+    def shared(self, flat: torch.Tensor) -> torch.Tensor | float:  # [N, H] -> what the shared experts add
+        return self.shared_experts(flat) if hasattr(self, "shared_experts") else 0.0
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every routed expert's gate/up [E, 2I, H] and down [E, H, I] projections."""
+        gate_up = [linear.weight for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
+        down = [expert.down_proj.weight for expert in self.experts]
+        return self.joined(self.gate_up, gate_up), self.joined(self.down, down)
+
+    def gathered_experts(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+        tokens, per_token = expert_ids.shape
+        ids = expert_ids.reshape(-1)
+        inputs = flat[:, None, :].expand(tokens, per_token, -1).reshape(tokens * per_token, 1, -1)
+        gate_up, down = self.expert_weights()
+        # index_select copies whole expert matrices; advanced indexing (w[ids]) is several times slower.
+        gate, up = torch.bmm(inputs, gate_up.index_select(0, ids).transpose(1, 2)).chunk(2, dim=-1)
+        routed = torch.bmm(F.silu(gate) * up, down.index_select(0, ids).transpose(1, 2))  # [N*k, 1, H]
+        return (routed.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
+
+    def every_expert(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+        picked = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
+        picked.scatter_(1, expert_ids, weights.to(flat.dtype))  # [N, E]: the routing weight, 0 where not picked
+        gate_up, down = self.expert_weights()
+        gate, up = torch.matmul(flat, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        routed = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [E, N, H]
+        return (routed * picked.T[:, :, None]).sum(0)
+
+    def looped_experts(self, flat, weights, expert_ids) -> torch.Tensor:
+        out = torch.zeros_like(flat)
+        for expert in expert_ids.unique().tolist():
+            token, slot = torch.where(expert_ids == expert)
+            routed = self.experts[expert](flat[token]) * weights[token, slot, None].to(flat.dtype)
+            out.index_add_(0, token, routed)
+        return out
