@@ -65,11 +65,11 @@ def main() -> None:
     rows = []
     with Engine(RuntimeOptions(args.model, pp=args.pp), show_progress=True) as engine:
         plain = engine.generate(prompts, args.new_tokens).tokens
-        broken_k = args.k or (5 if engine.drafter_checkpoint else 3)
+        broken_k = args.k or (5 if engine.drafter.drafts_in_blocks else 3)
         for k in range(1, 6):
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
             rows.append(("fixed", k, result.tokens == plain, result.metrics.to_dict()))
-        faults = DSPARK_BROKEN if engine.drafter_checkpoint else BROKEN
+        faults = DSPARK_BROKEN if engine.drafter.drafts_in_blocks else BROKEN
     for fault in faults:
         with Engine(RuntimeOptions(args.model, pp=args.pp, **fault), show_progress=True) as engine:
             try:

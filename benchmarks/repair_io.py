@@ -39,7 +39,8 @@ from safetensors.torch import load, save_file
 from benchmarks.common import machine, write_json
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.mtp import DRAFTER_EMBEDDING, expected_key
+from specdoctor.runtime.drafter.kind import EMBEDDING
+from specdoctor.runtime.drafter.mtp import expected_key
 from specdoctor.runtime.models.glm4_moe import MtpLayer
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.models.stage import TargetStage
@@ -120,7 +121,7 @@ def resident_bytes(files: list[Path]) -> int:
 def repair_read(path: Path, parameter: torch.Tensor) -> None:
     """Open the checkpoint (index and every shard header), find the embedding, read it into the parameter."""
     checkpoint = Checkpoint(path)
-    checkpoint.read(expected_key(checkpoint, DRAFTER_EMBEDDING), out=parameter)
+    checkpoint.read(expected_key(checkpoint, EMBEDDING), out=parameter)
 
 
 def bare_read(shard: Path) -> torch.Tensor:

@@ -33,7 +33,7 @@ def test_inspect_demo_human_output():
 
 
 def test_inspect_demo_json_agrees_with_the_headers():
-    result = specdoctor("inspect", "--model", "demo", "--json")
+    result = specdoctor("inspect", "--model", "demo", "--json", "-")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     checkpoint = Checkpoint("demo")
@@ -68,13 +68,13 @@ def rename_key(path, old: str, new: str | None) -> None:
 
 def test_inspect_reports_missing_mtp_tensor(tiny):
     rename_key(tiny, "model.layers.2.eh_proj.weight", None)
-    summary = json.loads(specdoctor("inspect", "--model", str(tiny), "--json").stdout)
+    summary = json.loads(specdoctor("inspect", "--model", str(tiny), "--json", "-").stdout)
     assert summary["mtp_layers"][0]["missing"] == ["model.layers.2.eh_proj.weight"]
 
 
 def test_inspect_finds_embedding_under_language_model_prefix(tiny):
     rename_key(tiny, "model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-    summary = json.loads(specdoctor("inspect", "--model", str(tiny), "--json").stdout)
+    summary = json.loads(specdoctor("inspect", "--model", str(tiny), "--json", "-").stdout)
     # The target's embedding is found under the multimodal prefix, and it is what the drafter reads.
     assert summary["embedding"]["key"] == "model.language_model.embed_tokens.weight"
     assert summary["draft_embedding"]["key"] == "model.language_model.embed_tokens.weight"
@@ -108,7 +108,7 @@ def test_demo_is_found_from_any_working_directory(tmp_path):
     shutil.rmtree(tmp_path)
     tmp_path.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "specdoctor", "inspect", "--model", "demo", "--json"],
+        [sys.executable, "-m", "specdoctor", "inspect", "--model", "demo", "--json", "-"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

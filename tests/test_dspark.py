@@ -184,8 +184,8 @@ def test_a_shipped_embedding_is_the_drafters_own(pair, tmp_path):
     ],
 )
 def test_a_drafter_that_cannot_draft_for_the_target_is_refused(pair, tmp_path, fields, problem):
-    from specdoctor.commands.check import CheckOptions, run_check
     from specdoctor.runtime.engine import Engine
+    from specdoctor.workflow import CheckOptions, run_check
 
     make_drafter(tmp_path / "drafter", **fields)
     options = RuntimeOptions(str(pair[0]), pp=2, speculative_model=str(tmp_path / "drafter"))

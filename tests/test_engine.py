@@ -185,6 +185,7 @@ def test_joins_a_group_launched_by_torchrun(hf_checkpoint, tmp_path):
         "--max-tokens",
         "12",
         "--json",
+        "-",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]

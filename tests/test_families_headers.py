@@ -28,7 +28,7 @@ def family_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("architecture", list(FAMILIES))
 def test_inspect_describes_the_mtp_layer_placement_and_hazards(family_dirs, architecture):
-    result = specdoctor("inspect", "--model", str(family_dirs[architecture]), "--pp", "2", "--json")
+    result = specdoctor("inspect", "--model", str(family_dirs[architecture]), "--pp", "2", "--json", "-")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     layout = ARCHITECTURES[architecture].mtp

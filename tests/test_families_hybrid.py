@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdoctor.commands.check import run_check
 from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
+from specdoctor.workflow import run_check
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,
     checkpoints_by_architecture,

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from specdoctor.commands.check import run_check
 from specdoctor.runtime.models.deepseek_v3 import ARCHITECTURES, INDEXER_ROPE_INTERLEAVED
+from specdoctor.workflow import run_check
 from tests.helpers.families import (
     SHIPS_OWN_COPIES,
     assert_pipeline_matches_single_process,
@@ -94,7 +94,7 @@ def test_configs_the_engines_disagree_on_or_it_cannot_run_are_refused_in_one_lin
     result = specdoctor("generate", "--model", str(tmp_path), "--prompt", "w1 w2")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
-    inspected = specdoctor("inspect", "--model", str(tmp_path), "--pp", "2", "--json")  # headers still read
+    inspected = specdoctor("inspect", "--model", str(tmp_path), "--pp", "2", "--json", "-")  # headers still read
     assert inspected.returncode == 0 and message in json.loads(inspected.stdout)["runtime"]
 
 

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdoctor"
 
 
 def generate_json(*flags: str) -> dict:
-    args = ("generate", "--model", "demo", "--prompt", "def main(", "--max-tokens", "12", "--json")
+    args = ("generate", "--model", "demo", "--prompt", "def main(", "--max-tokens", "12", "--json", "-")
     result = specdoctor(*args, *flags)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -114,7 +114,7 @@ def hub_cache_with(root: Path, repo: str, source: Path) -> Path:
 def test_a_hugging_face_id_resolves_through_the_local_cache_only(tmp_path, monkeypatch):
     snapshot = hub_cache_with(tmp_path / "hub", "zai-org/tiny-glm", DEMO_DIR)
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    result = specdoctor_env(env, "inspect", "--model", "zai-org/tiny-glm", "--json")
+    result = specdoctor_env(env, "inspect", "--model", "zai-org/tiny-glm", "--json", "-")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["path"] == str(snapshot)
     missing = specdoctor_env(env, "inspect", "--model", "zai-org/absent")

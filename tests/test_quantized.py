@@ -99,7 +99,7 @@ def test_shipped_w4a16_demo_is_what_llm_compressor_writes(quant_python, tmp_path
 
 
 def preflight_of(path) -> list[dict]:
-    result = specdoctor("inspect", "--model", str(path), "--pp", "4", "--json")
+    result = specdoctor("inspect", "--model", str(path), "--pp", "4", "--json", "-")
     assert result.returncode == 0, result.stderr
     return [f for f in json.loads(result.stdout)["preflight"] if f["check"].startswith("quantization")]
 

@@ -63,6 +63,7 @@ def generate_cli(prompts: list[str], max_tokens: int) -> list[str]:
             "--max-tokens",
             str(max_tokens),
             "--json",
+            "-",
             *args,
         ],
         capture_output=True,

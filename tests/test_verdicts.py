@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdoctor.checks.drafter import drafter_findings
-from specdoctor.commands.check import run_check
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
+from specdoctor.workflow import run_check
 from tests.conftest import make_hf_checkpoint
 from tests.test_check import TOKENIZER_FILES, check_options, specdoctor, with_word_tokenizer
 
@@ -60,7 +60,7 @@ def test_float8_weights_without_a_scheme_are_refused_by_the_runtime_and_read_by_
     generate = specdoctor("generate", "--model", str(path), "--prompt", "w1 w2", "--max-tokens", "4")
     assert generate.returncode == 2 and scheme in generate.stderr and "will not run them" in generate.stderr
     assert len(generate.stderr.strip().splitlines()) == 1 and "Traceback" not in generate.stderr
-    inspect = specdoctor("inspect", "--model", str(path), "--json")
+    inspect = specdoctor("inspect", "--model", str(path), "--json", "-")
     assert inspect.returncode == 0 and json.loads(inspect.stdout)["quantization"].startswith(scheme)
     check = specdoctor("check", "--model", str(path), "--pp", "2", "--json", "-")
     report = json.loads(check.stdout)
@@ -81,7 +81,7 @@ def test_without_a_tokenizer_generate_needs_one_and_tokenizer_points_at_it(tmp_p
     path = untokenized_copy(tmp_path)
     refused = specdoctor("generate", "--model", str(path), "--prompt", "def f(")
     assert refused.returncode == 2 and "point --tokenizer at one" in refused.stderr
-    args = ("generate", "--prompt", "def f(", "--max-tokens", "8", "--json")
+    args = ("generate", "--prompt", "def f(", "--max-tokens", "8", "--json", "-")
     own = json.loads(specdoctor(*args, "--model", "demo").stdout)
     pointed = specdoctor(*args, "--model", str(path), "--tokenizer", str(DEMO_DIR / "tokenizer.json"))
     assert pointed.returncode == 0, pointed.stderr

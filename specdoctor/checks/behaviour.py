@@ -40,7 +40,7 @@ def run_battery(
     profile = proposal_profile(result.proposals)
     baseline = bigram_baseline(plain)  # how predictable the target's own output is, token by token
     findings = behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent)
-    if engine.drafter_checkpoint is not None:  # a block drafter: the shape of its block
+    if engine.drafter.drafts_in_blocks:  # the shape of its block tells the faults apart
         findings += block_findings("behaviour", metrics["per_position_acceptance_rate"], baseline, stage)
     return {
         "battery": f"{sum(lossless)}/{len(lossless)}",

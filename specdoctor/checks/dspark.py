@@ -8,8 +8,8 @@ import torch
 
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
-from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import EMBEDDING, HEAD, DrafterCheckpoint, expected_source
+from specdoctor.runtime.drafter.dspark import HEAD, DrafterCheckpoint, DSparkKind
+from specdoctor.runtime.drafter.kind import EMBEDDING
 from specdoctor.runtime.drafter.taps import entry_owner
 from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems
 from specdoctor.runtime.partition import Placement
@@ -23,7 +23,8 @@ TAP_HINTS = {
 }
 
 
-def dspark_preflight(drafter: DrafterCheckpoint, target: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+def dspark_preflight(kind: DSparkKind, ranks: list[Placement]) -> list[Finding]:
+    drafter, target = kind.drafter, kind.target
     config = drafter.config
     problems = pairing_problems(config, target.config)
     findings = [
@@ -51,19 +52,19 @@ def dspark_preflight(drafter: DrafterCheckpoint, target: Checkpoint, ranks: list
             )
         )
     if not problems:  # else the target's shapes would only repeat the pairing error
-        findings += drafter_tensors(drafter, target) + placement_findings(drafter, target, ranks)
+        findings += drafter_tensors(kind) + placement_findings(drafter, ranks)
     return findings + quantization(drafter)
 
 
-def drafter_tensors(drafter: DrafterCheckpoint, target: Checkpoint) -> list[Finding]:
+def drafter_tensors(kind: DSparkKind) -> list[Finding]:
     """Every tensor the drafter needs, in the checkpoint that must hold it, with the module's shape."""
     with torch.device("meta"):
-        module = DSparkDrafter(drafter.config)
-    missing, wrong = [], []
+        module = DSparkDrafter(kind.drafter.config)
+    missing, wrong, names = [], [], set(kind.tensor_names())
     for name, tensor in module.state_dict().items():
-        if name.startswith("confidence_head.") and not any(k.startswith("confidence_head.") for k in drafter.tensors):
+        if name not in names:
             continue  # vLLM drops a configured confidence head the checkpoint does not ship
-        checkpoint, key = expected_source(drafter, target, name)
+        checkpoint, key = kind.expected_source(name)
         info = checkpoint.tensors.get(key)
         if info is None:
             missing.append(key)
@@ -80,7 +81,8 @@ def drafter_tensors(drafter: DrafterCheckpoint, target: Checkpoint) -> list[Find
                 data={"missing": missing, "wrong_shape": wrong},
             )
         ]
-    sources = {name: "the drafter's own" if name in drafter.tensors else "the target's" for name in (EMBEDDING, HEAD)}
+    own = kind.drafter.tensors
+    sources = {name: "the drafter's own" if name in own else "the target's" for name in (EMBEDDING, HEAD)}
     return [
         Finding(
             "dspark.tensors",
@@ -90,7 +92,7 @@ def drafter_tensors(drafter: DrafterCheckpoint, target: Checkpoint) -> list[Find
     ]
 
 
-def placement_findings(drafter: DrafterCheckpoint, target: Checkpoint, ranks: list[Placement]) -> list[Finding]:
+def placement_findings(drafter: DrafterCheckpoint, ranks: list[Placement]) -> list[Finding]:
     layers = [r.layers for r in ranks]
     last = ranks[-1].rank
     owners = {entry - 1: entry_owner(entry, layers) for entry in drafter.config.tap_entries}

@@ -3,38 +3,29 @@
 from __future__ import annotations
 
 from specdoctor.checks.dspark import dspark_preflight
+from specdoctor.checks.mtp import mtp_preflight
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
-from specdoctor.runtime.drafter.mtp import (
-    drafter_embedding_key,
-    embedding_candidates,
-    expected_mtp_keys,
-    own_embedding_keys,
-    own_head_key,
-)
+from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.partition import Placement
 
-FLOAT_DTYPES = {"F32", "BF16", "F16"}
+# Each drafter kind's own pre-flight, by the kind's name (runtime/drafter/kinds.py).
+KIND_PREFLIGHT = {"mtp": mtp_preflight, "dspark": dspark_preflight}
 
 
-def preflight(
-    checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterCheckpoint | None = None
-) -> list[Finding]:
-    """`drafter`: a drafter checkpoint of its own (DSpark) that drafts for this target instead of MTP layers."""
+def preflight(checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterKind | None = None) -> list[Finding]:
+    """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/kinds.py), or None."""
     findings = config_sanity(checkpoint, drafter is not None)
-    if drafter is None:
-        findings += mtp_tensors(checkpoint) + embedding_source(checkpoint, ranks)
-    else:
-        findings += dspark_preflight(drafter, checkpoint, ranks)
+    if drafter is not None:
+        findings += KIND_PREFLIGHT[drafter.name](drafter, ranks)
     findings += engine_placement(checkpoint, ranks) + quantization(checkpoint)
     return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
 
 
-def config_sanity(checkpoint: Checkpoint, block_drafter: bool = False) -> list[Finding]:
+def config_sanity(checkpoint: Checkpoint, has_drafter: bool = False) -> list[Finding]:
     cfg, tensors = checkpoint.config, checkpoint.tensors
     findings = []
     embedding = tensors.get(target_embedding_key(checkpoint))
@@ -71,7 +62,7 @@ def config_sanity(checkpoint: Checkpoint, block_drafter: bool = False) -> list[F
         findings.append(
             Finding("config.lm_head", "error", f"lm_head.weight has shape {head.shape}, expected {expected}")
         )
-    if cfg.num_nextn_predict_layers == 0 and not block_drafter:
+    if not has_drafter:
         findings.append(
             Finding(
                 "config.mtp",
@@ -88,97 +79,6 @@ def config_sanity(checkpoint: Checkpoint, block_drafter: bool = False) -> list[F
                 f"vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, "
                 f"{cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, tied: "
                 f"{cfg.tie_word_embeddings}",
-            )
-        )
-    return findings
-
-
-def mtp_tensors(checkpoint: Checkpoint) -> list[Finding]:
-    shared = [key for key in checkpoint.config.mtp_keys.shared_keys if key not in checkpoint.tensors]
-    findings = []
-    if checkpoint.config.num_nextn_predict_layers and shared:
-        findings.append(
-            Finding(
-                "mtp.tensors",
-                "error",
-                f"the MTP drafter lacks {len(shared)} shared tensor(s), first {shared[0]}",
-                "a quantisation ignore list or export may have dropped them",
-                data={"missing": shared},
-            )
-        )
-    for layer_id in checkpoint.config.mtp_layer_ids:
-        expected = expected_mtp_keys(checkpoint.config, layer_id)
-        missing = [k for k in expected if k not in checkpoint.tensors]
-        head = own_head_key(checkpoint.config, layer_id)
-        if head in missing:
-            missing.remove(head)
-            findings.append(
-                Finding(
-                    "mtp.shared_head",
-                    "warning",
-                    f"{head} is not in the checkpoint",
-                    "loaders that keep only spec-layer keys leave the draft head unloaded; it must come from lm_head",
-                )
-            )
-        if missing:
-            findings.append(
-                Finding(
-                    "mtp.tensors",
-                    "error",
-                    f"MTP layer {layer_id} lacks {len(missing)} tensor(s), first {missing[0]}",
-                    "a quantisation ignore list or export may have dropped them",
-                    data={"missing": missing},
-                )
-            )
-        else:
-            findings.append(
-                Finding("mtp.tensors", "info", f"MTP layer {layer_id}: all {len(expected)} tensors present")
-            )
-    return findings
-
-
-def embedding_source(checkpoint: Checkpoint, ranks: list[Placement]) -> list[Finding]:
-    candidates = embedding_candidates(checkpoint.config)
-    key = drafter_embedding_key(checkpoint)
-    if key is None:
-        return [
-            Finding(
-                "embedding.source",
-                "error",
-                "no candidate key can supply the drafter's embedding",
-                "extend the candidate list for this layout",
-                data={"candidates": candidates},
-            )
-        ]
-    info = checkpoint.tensors[key]
-    findings = [
-        Finding(
-            "embedding.source",
-            "info",
-            f"drafter embedding source: {key} ({info.dtype}, {info.shape}, {info.shard})",
-            data={"key": key},
-        )
-    ]
-    if info.dtype not in FLOAT_DTYPES:
-        findings.append(
-            Finding(
-                "embedding.dtype",
-                "warning",
-                f"{key} is stored as {info.dtype}",
-                "a quantised embedding needs dequantising before the drafter can use it",
-            )
-        )
-    drafter_rank = ranks[-1]
-    own_copy = checkpoint.first_present(own_embedding_keys(checkpoint.config)) is not None
-    if not drafter_rank.has_embedding and not own_copy:
-        findings.append(
-            Finding(
-                "placement.drafter_embedding",
-                "warning",
-                f"the drafter runs on rank {drafter_rank.rank} with no local embedding, "
-                "and the checkpoint has no MTP copy",
-                "unpatched engines leave the drafter's embedding uninitialised here; load it from the checkpoint "
-                "(specdoctor check --repair)",
             )
         )
     return findings

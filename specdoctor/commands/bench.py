@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from specdoctor.commands.options import BatteryOption, runtime_command
+from specdoctor.commands.options import BatteryOption, JsonReportOption, runtime_command
 from specdoctor.commands.output import emit_json_or_table
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.decode.metrics import SpecMetrics
@@ -41,7 +41,6 @@ class BenchOptions:
 
 MaxTokensOption = Annotated[int, typer.Option(help="Tokens per prompt.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Prompts decoded together (1 = latency).")]
-BenchJsonOption = Annotated[str | None, typer.Option("--json", help="Write the JSON results to FILE, or - for stdout.")]
 
 
 @runtime_command(repeat=("pp", "num_speculative_tokens"), **BENCH_SWEEPS)
@@ -51,7 +50,7 @@ def bench(
     max_tokens: MaxTokensOption = 64,
     batch_size: BatchSizeOption = 1,
     battery: BatteryOption = None,
-    json_out: BenchJsonOption = None,
+    json_out: JsonReportOption = None,
 ) -> None:
     """Measure speculative against plain decoding: tokens/s, acceptance and each step's time split; exit 1 if
     speculative output ever differs from plain output. --pp and --num-speculative-tokens may be repeated."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdoctor.commands.options import JsonFlagOption, runtime_command
+from specdoctor.commands.options import JsonReportOption, runtime_command
+from specdoctor.commands.output import emit_json_or_table
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
 
@@ -35,20 +35,20 @@ def generate(
     top_k: TopKOption = 0,
     top_p: TopPOption = 1.0,
     seed: SeedOption = None,
-    as_json: JsonFlagOption = False,
+    json_out: JsonReportOption = None,
 ) -> None:
     """Generate text with the pipeline runtime; print it with the acceptance metrics."""
     from specdoctor.runtime.checkpoint.tokenizer import read_prompt_file
     from specdoctor.runtime.decode.sampling import SamplingParams
 
     prompts = list(prompt or []) + (read_prompt_file(prompts_file) if prompts_file else [])
-    report = run_generate(runtime, prompts, max_tokens, SamplingParams(temperature, top_k, top_p, seed), not as_json)
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    report = run_generate(runtime, prompts, max_tokens, sampling, show_progress=json_out != "-")
     if report is None:  # a non-zero rank under torchrun: rank 0 prints
         return
-    if as_json:
-        sys.stdout.write(json.dumps(report, indent=2) + "\n")
-    else:
-        render_generation(report, Console())
+    emit_json_or_table(
+        json.dumps(report, indent=2) + "\n", json_out, lambda console: render_generation(report, console)
+    )
 
 
 def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, sampling, show_progress: bool):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from specdoctor.commands.options import JsonFlagOption, ModelOption, runtime_field_option
+from specdoctor.commands.options import JsonReportOption, ModelOption, runtime_field_option
+from specdoctor.commands.output import emit_json_or_table
 from specdoctor.report import Finding, findings_table
 
 PipelineSizeOption = runtime_field_option("pp")
@@ -33,20 +33,17 @@ def inspect(
     model: ModelOption,
     pp: PipelineSizeOption = 1,
     speculative_model: SpeculativeModelOption = None,
-    as_json: JsonFlagOption = False,
+    json_out: JsonReportOption = None,
 ) -> None:
     """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
     keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --pp ranks and the
     pre-flight's findings."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.dspark import DrafterCheckpoint, drafter_checkpoint_path
+    from specdoctor.runtime.drafter.kinds import drafter_kind
 
-    drafter_path = drafter_checkpoint_path(model, speculative_model)
-    summary = summarize(Checkpoint(model), pp, DrafterCheckpoint(drafter_path) if drafter_path else None)
-    if as_json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
-    else:
-        render_summary(summary, Console())
+    checkpoint = Checkpoint(model)
+    summary = summarize(checkpoint, pp, drafter_kind(checkpoint, model, speculative_model))
+    emit_json_or_table(json.dumps(summary, indent=2) + "\n", json_out, lambda console: render_summary(summary, console))
 
 
 def describe(info) -> dict | None:
@@ -57,15 +54,15 @@ def describe(info) -> dict | None:
 
 
 def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
-    """`drafter`: a DSpark drafter checkpoint beside the target, or None."""
+    """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/kinds.py), or None."""
     from dataclasses import asdict
 
     from specdoctor.checks.preflight import preflight
-    from specdoctor.commands.check import placement_row
     from specdoctor.runtime.architectures import ARCHITECTURES
     from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
     from specdoctor.runtime.drafter.mtp import drafter_embedding_key, embedding_candidates, expected_mtp_keys
     from specdoctor.runtime.partition import placements
+    from specdoctor.workflow import placement_row
 
     config, tensors = checkpoint.config, checkpoint.tensors
     layout = config.mtp_keys
@@ -82,7 +79,7 @@ def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
                 "missing": [k for k in expected if k not in tensors],
             }
         )
-    ranks = placements(config, pp, block_drafter=drafter is not None)
+    ranks = placements(config, pp, has_drafter=drafter is not None)
     return {
         "path": str(checkpoint.path),
         "layout": checkpoint.layout,
@@ -102,26 +99,19 @@ def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
         "mtp_layers": mtp_layers,
         "mtp_layer_keys": [*layout.layer_keys, *(k for k in (layout.own_embedding, layout.own_head) if k)],
         "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
-        "block_drafter": block_drafter_summary(drafter),
+        "block_drafter": own_checkpoint_summary(drafter),  # the schema's name for a drafter checkpoint of its own
         "placement": [placement_row(rank) for rank in ranks],
         "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter)],
     }
 
 
-def block_drafter_summary(drafter) -> dict | None:
-    if drafter is None:
+def own_checkpoint_summary(drafter) -> dict | None:
+    """A drafter that is a checkpoint of its own: its path, what its kind says of its config, its tensors."""
+    own = drafter.checkpoint if drafter else None
+    if own is None:
         return None
-    config = drafter.config
-    return {
-        "path": str(drafter.path),
-        "architecture": config.architecture,
-        "target_layer_ids": list(config.layer_ids),
-        "block_size": config.block_size,
-        "layers": config.num_layers,
-        "markov_rank": config.markov_rank,
-        "mask_token_id": config.mask_token_id,
-        "tensors": [describe(info) for _, info in sorted(drafter.tensors.items())],
-    }
+    tensors = [describe(info) for _, info in sorted(own.tensors.items())]
+    return {"path": str(own.path), **drafter.config_summary(), "label": drafter.label, "tensors": tensors}
 
 
 def render_summary(summary: dict, console: Console) -> None:
@@ -173,9 +163,9 @@ def drafter_table(summary: dict) -> Table:
     row("lm_head", summary["lm_head"])
     for key, info in summary["mtp_shared_tensors"].items():
         row("MTP (shared)", info, f"{key} [red]missing[/red]")
-    block = summary["block_drafter"]
-    for info in block["tensors"] if block else []:
-        row(f"DSpark {Path(block['path']).name}", info)
+    own = summary["block_drafter"]
+    for info in own["tensors"] if own else []:
+        row(f"{own['label'].split()[0]} {Path(own['path']).name}", info)
     for layer in summary["mtp_layers"]:
         label = f"MTP {layer['layer']}"
         for info in layer["tensors"]:

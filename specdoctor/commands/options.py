@@ -30,7 +30,6 @@ MinLengthOption = Annotated[
 ]
 JsonReportOption = Annotated[str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")]
 JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")]
-JsonFlagOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 
 _FIELDS = {spec.name: spec for spec in dataclasses.fields(RuntimeOptions)}
 _TYPES = typing.get_type_hints(RuntimeOptions)

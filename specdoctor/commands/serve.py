@@ -65,27 +65,6 @@ def check_port_free(host: str, port: int) -> None:
             raise SpecdoctorError(f"cannot listen on {host}:{port} ({err.strerror})") from None
 
 
-def startup_check(engine, options: ServeOptions, console: Console) -> list:
-    """Pre-flight and the loaded-drafter checks; repair what can be repaired unless told to serve as is.
-    Returns the error findings that remain."""
-    from specdoctor.checks.drafter import drafter_findings
-    from specdoctor.checks.dspark import tap_findings
-    from specdoctor.checks.preflight import preflight
-
-    preflight_findings = preflight(engine.checkpoint, engine.placements, engine.drafter_checkpoint)
-    errors = [f for f in preflight_findings if f.severity == "error"]
-    if engine.options.num_speculative_tokens == 0 or not engine.speculates:
-        return errors
-    findings, broken = drafter_findings(engine.measure_drafter(), "startup")
-    if broken and not options.allow_unhealthy:
-        repair = engine.repair_drafter(broken)
-        console.print(f"repaired {', '.join(repair.repaired)} from the checkpoint ({repair.bytes_read:,} bytes)")
-        findings, _ = drafter_findings(engine.measure_drafter(), "startup")
-    if engine.drafter_checkpoint is not None:  # taps no repair can fix: the engine's wiring
-        findings += tap_findings(engine.probe_taps(TAP_PROBE), "startup")
-    return errors + [f for f in findings if f.severity == "error"]
-
-
 def run_serve(options: ServeOptions) -> None:
     import uvicorn
 
@@ -97,6 +76,7 @@ def run_serve(options: ServeOptions) -> None:
     from specdoctor.server.app import ServerState, create_app
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template
+    from specdoctor.workflow import startup_check
 
     console = Console(stderr=True)
     runtime = options.runtime
@@ -108,7 +88,7 @@ def run_serve(options: ServeOptions) -> None:
     engine = Engine(runtime, checkpoint, show_progress=True)
     runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:
-        errors = startup_check(engine, options, console)
+        errors = startup_check(engine, not options.allow_unhealthy, TAP_PROBE, console)
         for finding in errors:
             console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
         if errors and not options.allow_unhealthy:

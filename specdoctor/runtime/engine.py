@@ -31,7 +31,8 @@ from specdoctor.runtime.decode.requests import (
     validate_speculative_tokens,
 )
 from specdoctor.runtime.decode.sampling import SamplingParams
-from specdoctor.runtime.drafter.dspark import default_speculative_tokens, open_block_drafter
+from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS
+from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
@@ -80,18 +81,19 @@ class Engine:
         self.checkpoint = checkpoint or Checkpoint(options.model)
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
-        self.drafter_checkpoint = open_block_drafter(options.model, options.speculative_model, self.checkpoint)
-        self.speculates = bool(self.config.num_nextn_predict_layers or self.drafter_checkpoint)
-        block = self.drafter_checkpoint is not None
-        self.placements = placements(self.config, options.pp, options.pp_partition, block_drafter=block)
+        self.drafter = open_drafter(self.checkpoint, options.model, options.speculative_model)
+        self.speculates = self.drafter is not None
+        self.placements = placements(self.config, options.pp, options.pp_partition, has_drafter=self.speculates)
         # Ranks open the resolved directories ("demo" and Hugging Face ids resolved once, here).
-        drafter_path = str(self.drafter_checkpoint.path) if block else None
+        drafter_path = self.drafter.path if self.drafter else None
         k = options.num_speculative_tokens
+        if k is None:
+            k = self.drafter.default_speculative_tokens() if self.drafter else DEFAULT_SPECULATIVE_TOKENS
         self.options = dataclasses.replace(
             options,
             model=str(self.checkpoint.path),
-            speculative_model=drafter_path,
-            num_speculative_tokens=default_speculative_tokens(self.drafter_checkpoint) if k is None else k,
+            speculative_model=str(drafter_path) if drafter_path else None,
+            num_speculative_tokens=k,
         )
         self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids, options.tokenizer)
         # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'
@@ -206,8 +208,8 @@ class Engine:
 
     def probe_taps(self, prompt: list[int]) -> list[TapReading]:
         """Which target layer each of a block drafter's taps holds, on `prompt` through the live pipeline."""
-        if self.drafter_checkpoint is None:
-            raise SpecdoctorError("the tap probe needs a block drafter (a DSpark checkpoint)")
+        if not (self.drafter and self.drafter.taps):
+            raise SpecdoctorError("the tap probe needs a drafter that reads the target's taps")
         if self._closed:
             raise PipelineError("the engine is closed")
         self._inbox.put(("probe_taps", prompt))

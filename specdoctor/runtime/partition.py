@@ -57,7 +57,7 @@ class Placement:
     layers: range
     has_embedding: bool  # rank 0, and the last rank too when tied in a family that builds it there
     has_head: bool  # final norm + lm_head: the last rank
-    has_drafter: bool  # the MTP layers and the drafter: the last rank
+    has_drafter: bool  # the drafter (MTP layers, or a drafter checkpoint's module): the last rank
 
     @property
     def is_first(self) -> bool:
@@ -68,8 +68,8 @@ class Placement:
         return self.rank == self.world_size - 1
 
 
-def placements(config: ModelConfig, pp: int, spec: str | None = None, block_drafter: bool = False) -> list[Placement]:
-    """`block_drafter`: a drafter checkpoint of its own runs beside the target (on the last rank, as MTP layers)."""
+def placements(config: ModelConfig, pp: int, spec: str | None = None, has_drafter: bool = False) -> list[Placement]:
+    """`has_drafter`: the pipeline runs a drafter (of any kind: all of them live on the last rank)."""
     ranges = layer_ranges(config.num_hidden_layers, pp, spec)
     last = pp - 1
     tied_on_last = config.tie_word_embeddings and ARCHITECTURES[config.architecture].tied_embedding_on_last_rank
@@ -80,7 +80,7 @@ def placements(config: ModelConfig, pp: int, spec: str | None = None, block_draf
             layers=layers,
             has_embedding=rank == 0 or (rank == last and tied_on_last),
             has_head=rank == last,
-            has_drafter=rank == last and (config.num_nextn_predict_layers > 0 or block_drafter),
+            has_drafter=rank == last and has_drafter,
         )
         for rank, layers in enumerate(ranges)
     ]

@@ -54,7 +54,7 @@ def probe_taps(model: RankModel, prompt: list[int]) -> list[TapReading] | None:
     if gathered is None:
         return None
     reference = gathered.nan_to_num(0.0).sum(0).cpu()  # each entry is filled on exactly one rank
-    expected = model.drafter_checkpoint.config.tap_entries
+    expected = model.kind.taps
     readings = []
     for slot, entry in enumerate(expected):
         tap = taps[:, :, slot]

@@ -21,9 +21,8 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
 from specdoctor.runtime.decode.requests import GenerateRequest
-from specdoctor.runtime.drafter.dspark import build_dspark_drafter, open_block_drafter
+from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import measure_drafter
-from specdoctor.runtime.drafter.mtp import build_drafter
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
@@ -57,19 +56,17 @@ def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     device, dtype = rank_device(options, rank), options.dtype.torch()
     checkpoint = Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
-    block = open_block_drafter(options.model, options.speculative_model, checkpoint)
-    ranks = placements(checkpoint.config, options.pp, options.pp_partition, block_drafter=block is not None)
+    kind = open_drafter(checkpoint, options.model, options.speculative_model)
+    ranks = placements(checkpoint.config, options.pp, options.pp_partition, has_drafter=kind is not None)
     placement = ranks[rank]
     stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
     route = None
-    if block:  # the taps this rank captures and moves on (runtime/taps.py)
-        route = tap_route(block.config.tap_entries, options.tap_policy, placement, [r.layers for r in ranks])
+    if kind and kind.taps:  # the taps this rank captures and moves on (runtime/drafter/taps.py)
+        route = tap_route(kind.taps, options.tap_policy, placement, [r.layers for r in ranks])
         stage.tap_entries = route.own
     drafter, provenance = None, Provenance()
-    if placement.has_drafter and block:
-        drafter, provenance = build_dspark_drafter(block, checkpoint, stage, options, device)
-    elif placement.has_drafter:
-        drafter, provenance = build_drafter(checkpoint, stage, options, device)
+    if placement.has_drafter:
+        drafter, provenance = kind.build(stage, options, device)
     if options.compile:
         for module in (stage, drafter) if drafter is not None else (stage,):
             compile_decode(module)
@@ -85,7 +82,7 @@ def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     }
     rollback = options.state_rollback == StateRollback.EXACT
     return RankModel(
-        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, block
+        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, kind
     ), info
 
 

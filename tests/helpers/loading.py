@@ -6,8 +6,7 @@ import torch
 
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import build_dspark_drafter, open_block_drafter
-from specdoctor.runtime.drafter.mtp import build_drafter
+from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
@@ -19,12 +18,9 @@ def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDra
     """The whole target and its drafter (its MTP layers, or the DSpark checkpoint a demo brings) loaded the
     fixed way (the drafter shares the target's embedding)."""
     target = load_full_target(checkpoint)
-    options, cpu = RuntimeOptions(str(checkpoint.path)), torch.device("cpu")
-    block = open_block_drafter(str(checkpoint.path), None, checkpoint)
-    if block is None:
-        return target, *build_drafter(checkpoint, target, options, cpu)
-    target.tap_entries = block.config.tap_entries
-    return target, *build_dspark_drafter(block, checkpoint, target, options, cpu)
+    kind = open_drafter(checkpoint, str(checkpoint.path), None)
+    target.tap_entries = kind.taps
+    return target, *kind.build(target, RuntimeOptions(str(checkpoint.path)), torch.device("cpu"))
 
 
 @torch.no_grad()

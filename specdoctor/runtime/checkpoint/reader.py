@@ -185,5 +185,3 @@ class Checkpoint:
         self.keys_read.append(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
-
-

@@ -10,6 +10,7 @@ import torch
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm
+from specdoctor.runtime.drafter.kind import DrafterKind, DraftingModule
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.taps import TapRoute
 from specdoctor.runtime.models.stage import TargetStage
@@ -20,20 +21,19 @@ from specdoctor.runtime.partition import Placement
 class RankModel:
     placement: Placement
     stage: TargetStage
-    drafter: object | None  # on the drafter's rank: an MtpDrafter or a DSparkDrafter
+    drafter: DraftingModule | None  # the live drafter, on the drafter's rank
     comm: PipelineComm
     device: torch.device
     dtype: torch.dtype
     checkpoint: Checkpoint | None = None
     provenance: Provenance = field(default_factory=Provenance)  # drafter tensor -> where it came from
     state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
-    taps: TapRoute | None = None  # a block drafter's taps: this rank's part in moving them
-    drafter_checkpoint: Checkpoint | None = None  # a drafter that is a checkpoint of its own
+    taps: TapRoute | None = None  # the drafter's taps, where it reads any: this rank's part in moving them
+    kind: DrafterKind | None = None  # the pipeline's kind of drafter, on every rank; None: none
 
     @property
     def speculates(self) -> bool:
-        """The pipeline has a drafter: the target's MTP layers, or a drafter checkpoint."""
-        return bool(self.stage.config.num_nextn_predict_layers or self.drafter_checkpoint)
+        return self.kind is not None
 
     def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
         """A cache for this rank's layers, or for the drafter's."""
@@ -57,8 +57,9 @@ def pad_right(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
 
 def pipeline_pass(model: RankModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, captured=None):
     """Run this rank's layers on a [B, T] step. The last rank gets (hidden states [B, T, H], a block drafter's
-    taps [B, T, taps, H] or None); the others (None, None). Taps travel with the hidden states (runtime/taps.py).
-    `captured`, when given, receives every entry this rank's stage captured (the tap probe)."""
+        taps [B, T, taps, H] or None); the others (None, None). Taps travel with the hidden states
+    (runtime/drafter/taps.py).
+        `captured`, when given, receives every entry this rank's stage captured (the tap probe)."""
     placement, stage, route = model.placement, model.stage, model.taps
     upstream: list[torch.Tensor] = []
     if placement.is_first:

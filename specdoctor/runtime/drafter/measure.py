@@ -12,11 +12,7 @@ import torch
 
 from specdoctor import kernels
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import CONFIDENCE, expected_source
-from specdoctor.runtime.drafter.mtp import expected_key
 from specdoctor.runtime.drafter.policy import has_real_weight
-from specdoctor.runtime.models.dspark import DSparkDrafter
-from specdoctor.runtime.models.mtp import MtpDrafter
 
 SAMPLED_ROWS = 64
 
@@ -77,38 +73,12 @@ def fingerprint_mismatch(checkpoint: Checkpoint, key: str, loaded: torch.Tensor)
     return mismatches, len(rows)
 
 
-# Tensors whose full statistics are worth a pass over them; every tensor is fingerprinted.
-STATS_PARTS = (
-    "embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm",  # MTP
-    "lm_head", "markov_w1", "markov_w2", "fc", "hidden_norm",  # DSpark
-)  # fmt: skip
-
-
-def drafter_tensor_names(model) -> list[str]:
-    """Every parameter and buffer the RankModel's drafter has, from the module itself built on the meta
-    device (a live module may hold an aliased placeholder instead of a tensor)."""
-    if model.drafter_checkpoint is None:
-        with torch.device("meta"):
-            return list(MtpDrafter(model.checkpoint.config).state_dict())
-    with torch.device("meta"):
-        names = list(DSparkDrafter(model.drafter_checkpoint.config).state_dict())
-    live = hasattr(model.drafter, "confidence_head")  # vLLM drops a configured head the checkpoint lacks
-    return [name for name in names if live or not name.startswith(CONFIDENCE)]
-
-
-def expected_tensor(model, name: str) -> tuple[Checkpoint, str] | None:
-    """(checkpoint, key) of the tensor a correctly loaded drafter parameter equals, or None."""
-    if model.drafter_checkpoint is not None:
-        return expected_source(model.drafter_checkpoint, model.checkpoint, name)
-    key = expected_key(model.checkpoint, name)
-    return None if key is None else (model.checkpoint, key)
-
-
 def measure_drafter(model) -> DrafterState:
     """Measure the live drafter of a RankModel on the last rank: every tensor against the checkpoint."""
     device = model.device
     state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled())
-    for name in drafter_tensor_names(model):
+    kind = model.kind
+    for name in kind.tensor_names(model.drafter):
         module_name, leaf = name.rsplit(".", 1)
         module = model.drafter.get_submodule(module_name)
         if not has_real_weight(module):
@@ -117,8 +87,8 @@ def measure_drafter(model) -> DrafterState:
             state.placeholders[name] = Placeholder(type(module).__name__, echoed)
             continue
         tensor = getattr(module, leaf)
-        stats = tensor_stats(tensor) if module_name.endswith(STATS_PARTS) else {"numel": tensor.numel()}
-        source = expected_tensor(model, name)
+        stats = tensor_stats(tensor) if module_name.endswith(kind.stats_parts) else {"numel": tensor.numel()}
+        source = kind.expected_source(name)
         if source is not None:
             checkpoint, key = source
             stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, tensor)

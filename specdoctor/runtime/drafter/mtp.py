@@ -1,5 +1,5 @@
-"""Every checkpoint-key rule about the drafter, once (docs/engine-semantics.md §MTP step and
-§Drafter embedding and head under PP).
+"""The MTP drafter kind: the target's own MTP layers, run on the last rank (docs/engine-semantics.md §MTP
+step and §Drafter embedding and head under PP). Every checkpoint-key rule about them, once, and their loading.
 
 The drafter module's parameter names are `embed_tokens.weight` and `layers.{N}.…` for MTP layer N
 (N counts on from the target's layers); where the checkpoint keeps an MTP layer's tensors, and its
@@ -9,18 +9,18 @@ optional own embedding and head, is the family's `MtpKeyLayout` (runtime/config.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from specdoctor.runtime.checkpoint.keys import TARGET_EMBEDDING_KEYS, target_head_key
 from specdoctor.runtime.checkpoint.loader import allocate, load_module
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.drafter.policy import Provenance, fill_unloaded, has_real_weight
+from specdoctor.runtime.drafter.kind import EMBEDDING, DrafterKind
+from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.registry import family_of, is_runnable
 from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
-
-DRAFTER_EMBEDDING = "embed_tokens.weight"  # the drafter's parameter name
+from specdoctor.runtime.options import HeadPolicy, RuntimeOptions
 
 
 def own_embedding_key(config: ModelConfig, layer_id: int) -> str | None:
@@ -73,7 +73,7 @@ def drafter_layer_key(config: ModelConfig, name: str) -> str | None:
 def expected_key(checkpoint: Checkpoint, name: str) -> str | None:
     """The checkpoint key a correctly loaded drafter parameter equals: the MTP layer's own tensor where
     the checkpoint ships one (embedding and head included), else the target's embedding or head."""
-    if name == DRAFTER_EMBEDDING:
+    if name == EMBEDDING:
         return drafter_embedding_key(checkpoint)
     key = drafter_layer_key(checkpoint.config, name)
     if key in checkpoint.tensors:
@@ -96,66 +96,40 @@ def expected_mtp_keys(config: ModelConfig, layer_id: int) -> list[str]:
     return [key for key in keys if key not in config.mtp_keys.shared_keys]
 
 
-def build_drafter(
-    checkpoint: Checkpoint, target: TargetStage, options: RuntimeOptions, device: torch.device
-) -> tuple[MtpDrafter, Provenance]:
-    """The drafter on the last rank, loaded the way `options` says; `target` is that rank's stage."""
-    config = checkpoint.config
-    drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), device)
-    provenance = Provenance()
-    body = load_module(
-        drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
-    )
-    provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
-    provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
-    _place_embedding(drafter, checkpoint, target, options, provenance)
-    _place_heads(drafter, checkpoint, target, options, provenance)
-    return drafter.eval(), provenance
+class MtpKind(DrafterKind):
+    """The target's own MTP layers (DeepSeek-V3 / GLM / Qwen3.5 / MiMo layouts), on the last rank."""
 
+    name = "mtp"
+    label = "MTP layers"
+    stats_parts = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
 
-def _place_embedding(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
-    policy, target_embedding = options.drafter_policy, target.model.embed_tokens
-    legacy_sharing = policy == EmbeddingPolicy.ENGINE_LEGACY and options.pp == 1
-    if policy == EmbeddingPolicy.ALIAS_PLACEHOLDER or legacy_sharing:
-        drafter.embed_tokens = target_embedding
-        real = has_real_weight(target_embedding)
-        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens" if real else "placeholder:model.embed_tokens"
-        return
-    own_copy = checkpoint.first_present(own_embedding_keys(checkpoint.config))
-    if policy == EmbeddingPolicy.FIXED and own_copy is None and has_real_weight(target_embedding):
-        drafter.embed_tokens = target_embedding  # no own copy: the target's, shared where it lives
-        provenance.sources[DRAFTER_EMBEDDING] = "alias:model.embed_tokens"
-        return
-    # fixed: the own copy, else the target's from the checkpoint; engine-legacy at PP > 1: the own copy
-    # only, the one embedding key under the spec layer prefix.
-    key = drafter_embedding_key(checkpoint) if policy == EmbeddingPolicy.FIXED else own_copy
-    if key is None:
-        stale = target.lm_head.weight if has_real_weight(target.lm_head) else None
-        fill_unloaded(drafter.embed_tokens.weight, options.fill, stale)
-        provenance.sources[DRAFTER_EMBEDDING] = f"unfilled:{options.fill}"
-        return
-    load_module(drafter.embed_tokens, checkpoint, lambda _name: key)
-    provenance.sources[DRAFTER_EMBEDDING] = f"checkpoint:{key}"
+    def tensor_names(self, live: nn.Module | None = None) -> list[str]:
+        with torch.device("meta"):
+            return list(MtpDrafter(self.target.config).state_dict())
 
+    def expected_source(self, name: str) -> Source | None:
+        key = expected_key(self.target, name)
+        return None if key is None else (self.target, key)
 
-def _place_heads(drafter, checkpoint, target, options: RuntimeOptions, provenance: Provenance) -> None:
-    policy = options.head_policy
-    if policy == HeadPolicy.ENGINE_LEGACY and checkpoint.config.mtp_keys.own_head is None:
-        policy = HeadPolicy.FIXED  # a layout without an own head (Qwen's mtp.*): every engine loads lm_head
-    for layer_id, layer in drafter.layers.items():
-        name, key = drafter_head_name(int(layer_id)), own_head_key(checkpoint.config, int(layer_id))
-        head = layer.shared_head.head
-        if policy != HeadPolicy.UNLOADED and key in checkpoint.tensors:
-            load_module(head, checkpoint, lambda _name, key=key: key)
-            provenance.sources[name] = f"checkpoint:{key}"
-        elif policy == HeadPolicy.FIXED and has_real_weight(target.lm_head):
-            layer.shared_head.head = target.lm_head
-            provenance.sources[name] = "alias:lm_head"
-        elif policy == HeadPolicy.FIXED:
-            fallback = target_head_key(checkpoint)
-            load_module(head, checkpoint, lambda _name, key=fallback: key)
-            provenance.sources[name] = f"checkpoint:{fallback}"
-        else:
-            stale = drafter.embed_tokens.weight if has_real_weight(drafter.embed_tokens) else None
-            fill_unloaded(head.weight, options.fill, stale)
-            provenance.sources[name] = f"unfilled:{options.fill}"
+    def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[MtpDrafter, Provenance]:
+        checkpoint, config = self.target, self.target.config
+        drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), device)
+        provenance = Provenance()
+        body = load_module(
+            drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
+        )
+        provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
+        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        place = Placer(drafter, stage, options, provenance)
+        own = checkpoint.first_present(own_embedding_keys(config))
+        target = checkpoint.first_present(list(TARGET_EMBEDDING_KEYS))
+        place.embedding(own and (checkpoint, own), target and (checkpoint, target), own_copy_first=False)
+        policy = options.head_policy
+        if policy == HeadPolicy.ENGINE_LEGACY and config.mtp_keys.own_head is None:
+            policy = HeadPolicy.FIXED  # a layout without an own head (Qwen's mtp.*): every engine loads lm_head
+        for layer_id in config.mtp_layer_ids:
+            own_head = own_head_key(config, layer_id)
+            own_source = (checkpoint, own_head) if own_head in checkpoint.tensors else None
+            module = drafter_head_name(layer_id).removesuffix(".weight")
+            place.head(module, own_source, (checkpoint, target_head_key(checkpoint)), policy)
+        return drafter.eval(), provenance

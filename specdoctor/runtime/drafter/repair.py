@@ -18,8 +18,7 @@ from torch import nn
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.loader import load_module
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.measure import expected_tensor
-from specdoctor.runtime.drafter.mtp import DRAFTER_EMBEDDING
+from specdoctor.runtime.drafter.kind import EMBEDDING
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
 
@@ -95,15 +94,15 @@ def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) 
     """Fill the named drafter tensors of a RankModel from the checkpoint that holds them (the target's, or a
     drafter checkpoint of its own), one tensor read each."""
     drafter, device, dtype = model.drafter, model.device, model.dtype
-    checkpoints = [c for c in (model.checkpoint, model.drafter_checkpoint) if c is not None]
+    checkpoints = model.kind.checkpoints
     before, start = sum(c.bytes_read for c in checkpoints), time.perf_counter()
     result = RepairResult()
     for name in names:
-        source = expected_tensor(model, name)
+        source = model.kind.expected_source(name)
         if source is None:
             continue
         checkpoint, key = source
-        if name == DRAFTER_EMBEDDING:
+        if name == EMBEDDING:
             # The runtime computes with the whole vocabulary: TP rank 0 of 1 is the whole padded table.
             table = read_vocab_shard(checkpoint, key, 1, 0)[: model.checkpoint.config.vocab_size]
             drafter.embed_tokens = nn.Embedding.from_pretrained(table.to(device, dtype), freeze=True)

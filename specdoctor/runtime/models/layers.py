@@ -78,5 +78,3 @@ class MLP(FusedWeights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.joined(self.gate_up, [self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-

@@ -1,0 +1,107 @@
+"""One interface for every kind of drafter (docs/architecture.md §Drafter kinds).
+
+A kind (mtp.py, dspark.py) declares, once: which checkpoint tensor each of its tensors must hold (the
+expected source, which measuring, the checks and the repair all use), how an engine loads it under each
+policy (through the shared ladder in policy.py), what it reads from the target (the final-normed hidden
+state, or the taps of named layers), and the module that drafts. The engine, the ranks, the partition,
+the checks and the commands ask the kind; none of them names one. kinds.py picks the kind of a pair.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from specdoctor.errors import CheckpointError
+from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.policy import Provenance, Source
+from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.options import RuntimeOptions
+
+EMBEDDING = "embed_tokens.weight"  # every kind's token embedding parameter
+DEFAULT_SPECULATIVE_TOKENS = 3  # check's k where a kind names no default of its own
+
+
+class DraftingModule(Protocol):
+    """What the decode loop asks of a live drafter (runtime/decode/speculative.py)."""
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache: ...
+
+    def draft(
+        self,
+        next_tokens: torch.Tensor,  # [B, T] the token after each new position
+        features: torch.Tensor,  # [B, T, H] final-normed target states, or [B, T, taps, H] the taps
+        positions: torch.Tensor,  # [B, T]
+        base: torch.Tensor,  # [B] the last accepted position: the chain continues from there
+        cache: KVCache,
+        k: int,
+    ) -> Generator[torch.Tensor, torch.Tensor, None]:
+        """Yields each draft position's logits [B, V]; send() back the token picked there [B]."""
+        ...
+
+
+class DrafterKind(ABC):
+    """One kind of drafter paired with one target checkpoint."""
+
+    name: ClassVar[str]  # as `--speculative-config`'s "method" spells it
+    label: ClassVar[str]  # for people: "MTP layers", "DSpark drafter"
+    # Parts whose full statistics are worth a pass in the content check (every tensor is fingerprinted).
+    stats_parts: ClassVar[tuple[str, ...]]
+    drafts_in_blocks: ClassVar[bool] = False  # the whole block in one pass: its block shape is worth reading
+
+    def __init__(self, target: Checkpoint):
+        self.target = target
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """A checkpoint of the drafter's own, or None where its tensors live in the target's."""
+        return None
+
+    @property
+    def path(self) -> Path | None:
+        return self.checkpoint.path if self.checkpoint else None
+
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint its tensors are read from."""
+        return [self.target, *([self.checkpoint] if self.checkpoint else [])]
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Residual-stream entries of the target it reads (entry j enters layer j); () for the final-normed state."""
+        return ()
+
+    def default_speculative_tokens(self) -> int:
+        return DEFAULT_SPECULATIVE_TOKENS
+
+    def unrunnable_reason(self) -> str | None:
+        """Why the runtime will not run this drafter beside this target, or None."""
+        return None
+
+    def require_runnable(self) -> None:
+        reason = self.unrunnable_reason()
+        if reason:
+            raise CheckpointError(f"{self.path or self.target.path}: {reason}")
+
+    def config_summary(self) -> dict:
+        """What `inspect` shows of a drafter checkpoint's own config."""
+        return {}
+
+    @abstractmethod
+    def tensor_names(self, live: nn.Module | None = None) -> list[str]:
+        """Every parameter and buffer the drafter has, from the module built on the meta device (a live module
+        may hold an aliased placeholder instead of a tensor); `live` drops parts the loaded drafter lacks."""
+
+    @abstractmethod
+    def expected_source(self, name: str) -> Source | None:
+        """The checkpoint tensor a correctly loaded drafter parameter equals, or None where no checkpoint holds it."""
+
+    @abstractmethod
+    def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[nn.Module, Provenance]:
+        """The drafter on its rank beside that rank's target `stage`, loaded the way `options` say."""
