@@ -13,7 +13,7 @@ from rich.console import Console
 
 from specdoctor.commands import bench, check, generate, inspect, probe, serve
 from specdoctor.errors import SpecdoctorError
-from specdoctor.report import CheckReport, ProbeReport, error_report
+from specdoctor.report import CheckReport, ProbeReport, Report, error_report
 
 try:  # typer >= 0.25 parses with its own copy of click, and raises that copy's exceptions
     from typer._click import exceptions as click_exceptions
@@ -44,12 +44,13 @@ JSON_REPORTS = {
 }
 
 
-def write_error_report(argv: list[str], message: str) -> None:
-    """With `--json FILE|-`, a report is written on every exit, exit 2 included (an `error` object)."""
+def write_error_report(argv: list[str], message: str, partial: Report | None = None) -> None:
+    """With `--json FILE|-`, a report is written on every exit, exit 2 included (an `error` object, after what
+    the run had found before the error)."""
     if not argv or argv[0] not in JSON_REPORTS or "--json" not in argv[:-1]:
         return
     destination = argv[argv.index("--json") + 1]
-    text = error_report(JSON_REPORTS[argv[0]], message)
+    text = error_report(JSON_REPORTS[argv[0]], message, partial)
     if destination == "-":
         sys.stdout.write(text)
         return
@@ -59,8 +60,8 @@ def write_error_report(argv: list[str], message: str) -> None:
         pass  # the one-line error below is all that can be said
 
 
-def fail(message: str) -> None:
-    write_error_report(sys.argv[1:], message)
+def fail(message: str, partial: Report | None = None) -> None:
+    write_error_report(sys.argv[1:], message, partial)
     Console(stderr=True).print(f"specdoctor: error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(2)
 
@@ -69,7 +70,7 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except SpecdoctorError as err:
-        fail(str(err))
+        fail(str(err), getattr(err, "report", None))  # a check that stopped part-way keeps what it found
     except click_exceptions.NoArgsIsHelpError as err:
         Console(stderr=True).print(err.ctx.get_help(), markup=False, highlight=False)
         sys.exit(2)

@@ -95,6 +95,7 @@ class CheckReport(Report):
     repair: object | None = None  # a RepairResult (runtime/drafter/repair.py)
     repair_findings: list[Finding] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    memory: dict | None = None  # the memory plan (runtime/memory.py), where the runtime stages were planned
 
     def final_findings(self) -> list[Finding]:
         """Pre-flight, plus the last stage run (after the repair when there was one)."""
@@ -106,6 +107,15 @@ class CheckReport(Report):
         return self.preflight + groups[0] + self.repair_findings + [f for group in groups[1:] for f in group]
 
     def verdict(self) -> str:
+        """What was verified: a stage that did not run makes it "not verified", naming what did and did not."""
+        final = self.final_findings()
+        skipped = [f for f in final if f.check == "runtime.skipped"]
+        if skipped:
+            ran = ["pre-flight", *(["loaded drafter"] if self.stages else []), *(["repair"] if self.repair else [])]
+            others = [f for f in final if f.severity == "error" and f.check != "runtime.skipped"]
+            found = f"; {len(others)} other error finding(s): {others[0].message}" if others else ""
+            not_run = "; ".join(f"{f.data['stages']}: {f.data['reason']}" for f in skipped)
+            return f"not verified: checked {', '.join(ran)}; not run: {not_run}{found}"
         verdict = super().verdict()
         return "healthy after repair" if verdict == "healthy" and self.repair else verdict
 
@@ -137,6 +147,7 @@ class CheckReport(Report):
             "repair_findings": [asdict(f) for f in self.repair_findings],
             "comparison": self.comparison(),
             "timings": self.timings,
+            "memory": self.memory,
             "findings": [asdict(f) for f in self.all_findings()],
             "verdict": self.verdict_dict(),
         }
@@ -172,10 +183,12 @@ class ProbeReport(Report):
         }
 
 
-def error_report(schema: str, message: str) -> str:
-    """The JSON of a run that could not judge anything (exit 2): what went wrong, as one line."""
+def error_report(schema: str, message: str, partial: Report | None = None) -> str:
+    """The JSON of a run that stopped on an error (exit 2): what went wrong, as one line, with everything the
+    run had found before it (`partial`, where it had begun a report)."""
     verdict = {"healthy": False, "exit_code": 2, "summary": message}
-    return json.dumps({"schema": schema, "error": {"message": message}, "verdict": verdict}, indent=2) + "\n"
+    found = partial.to_dict() if partial is not None else {"schema": schema}
+    return json.dumps({**found, "error": {"message": message}, "verdict": verdict}, indent=2) + "\n"
 
 
 def to_json(report: Report) -> str:

@@ -1,4 +1,4 @@
-"""Findings about the loaded drafter, from what its rank measured (runtime/drafter/state.py).
+"""Findings about the loaded drafter, from what its rank measured (runtime/drafter/measure.py).
 
 Statistics are compared with the checkpoint (sampled rows read from it), so a mismatch is found
 whatever the memory held: zeros, NaN, stale bytes of another tensor, or a half-written table.

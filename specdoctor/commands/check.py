@@ -10,11 +10,18 @@ from rich.console import Console
 from rich.table import Table
 
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
-from specdoctor.commands.options import BatteryOption, JsonReportOption, JunitOption, MinLengthOption, runtime_command
+from specdoctor.commands.options import (
+    BatteryOption,
+    JsonReportOption,
+    JunitOption,
+    MinLengthOption,
+    parse_size,
+    runtime_command,
+)
 from specdoctor.commands.output import emit_report
 from specdoctor.report import CheckReport, Finding, acceptance_row, findings_table, render_verdict
 from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
-from specdoctor.workflow import CheckOptions, run_check
+from specdoctor.workflow.check import CheckOptions, run_check
 
 # What an unpatched engine does with this checkpoint at this PP size; the draft tokens are resolved once
 # the drafter is known (a DSpark drafter's block size, else 3).
@@ -26,6 +33,13 @@ CHECK_DEFAULTS = dict(
 RepairFlag = Annotated[bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")]
 MaxTokensOption = Annotated[int, typer.Option(help="Tokens generated per battery prompt.")]
 TpRankOption = Annotated[int, typer.Option(help="Tensor-parallel rank whose vocab shard the repair checks.")]
+MemoryLimitOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Plan the ranks within SIZE of memory (e.g. 8GiB; default: what the machine has available). A model "
+        "that does not fit gets the pre-flight and the loaded-drafter stage on the drafter's rank alone."
+    ),
+]
 
 
 @runtime_command(**CHECK_DEFAULTS)
@@ -36,11 +50,13 @@ def check(
     min_acceptance_length: MinLengthOption = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     max_tokens: MaxTokensOption = 32,
     tp_rank: TpRankOption = 0,
+    memory_limit: MemoryLimitOption = None,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
 ) -> None:
     """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it."""
-    options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, tp_rank)
+    limit = parse_size(memory_limit, "--memory-limit") if memory_limit else None
+    options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, tp_rank, limit)
     emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check)
 
 

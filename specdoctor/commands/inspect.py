@@ -62,7 +62,7 @@ def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
     from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
     from specdoctor.runtime.drafter.mtp import drafter_embedding_key, embedding_candidates, expected_mtp_keys
     from specdoctor.runtime.partition import placements
-    from specdoctor.workflow import placement_row
+    from specdoctor.workflow.check import placement_row
 
     config, tensors = checkpoint.config, checkpoint.tensors
     layout = config.mtp_keys

@@ -31,6 +31,25 @@ MinLengthOption = Annotated[
 JsonReportOption = Annotated[str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")]
 JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")]
 
+# Decimal units as written, binary ones (and the bare letters, as `free -h` means them) in powers of 2.
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SIZE_UNITS |= {f"{letter}{suffix}": 2 ** (10 * (i + 1)) for i, letter in enumerate("KMGT") for suffix in ("", "IB")}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A number of bytes written as `8GiB`, `500MB`, `1.5G` or `1024`."""
+    number = text.strip()
+    digits = number.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = number[len(digits) :].strip().upper()
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or value <= 0:
+        raise SpecdoctorError(f"{flag} {text!r} is not a size such as 8GiB, 500MB or 1073741824")
+    return int(value * SIZE_UNITS[unit])
+
+
 _FIELDS = {spec.name: spec for spec in dataclasses.fields(RuntimeOptions)}
 _TYPES = typing.get_type_hints(RuntimeOptions)
 

@@ -76,7 +76,7 @@ def run_serve(options: ServeOptions) -> None:
     from specdoctor.server.app import ServerState, create_app
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template
-    from specdoctor.workflow import startup_check
+    from specdoctor.workflow.drafter import startup_check
 
     console = Console(stderr=True)
     runtime = options.runtime

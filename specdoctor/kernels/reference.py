@@ -17,18 +17,19 @@ STAT_FIELDS = ("nan", "posinf", "neginf", "zeros", "sum", "sumsq", "min", "max",
 def tensor_stats(x: torch.Tensor) -> dict[str, float]:
     """Counts of NaN/+Inf/-Inf/zeros; sum, sum of squares, min, max, absmax of the finite values (fp32)."""
     values = x.detach().reshape(-1).float()
-    finite = values[torch.isfinite(values)]
-    empty = finite.numel() == 0
+    finite = torch.isfinite(values)
+    empty = not bool(finite.any())
+    kept = torch.where(finite, values, 0.0)  # no compaction: one pass per statistic over the same buffer
     return {
         "nan": int(torch.isnan(values).sum()),
         "posinf": int((values == float("inf")).sum()),
         "neginf": int((values == float("-inf")).sum()),
         "zeros": int((values == 0).sum()),
-        "sum": float(finite.sum()),
-        "sumsq": float((finite * finite).sum()),
-        "min": float("inf") if empty else float(finite.min()),
-        "max": float("-inf") if empty else float(finite.max()),
-        "absmax": 0.0 if empty else float(finite.abs().max()),
+        "sum": float(kept.sum()),
+        "sumsq": float((kept * kept).sum()),
+        "min": float("inf") if empty else float(torch.where(finite, values, float("inf")).min()),
+        "max": float("-inf") if empty else float(torch.where(finite, values, float("-inf")).max()),
+        "absmax": 0.0 if empty else float(kept.abs().max()),
     }
 
 

@@ -1,9 +1,9 @@
 """`--compile`: each rank's decode passes through torch.compile (Inductor), so a step runs a few fused
 kernels instead of a few hundred small ops, each of which costs more in dispatch than in arithmetic on
-a small model (README §Performance: the step profile).
+a small model (docs/performance.md: the step profile).
 
 What is compiled is the part of a pass after its entry point has done the host work: the stage's layers
-(`TargetStage.run_layers`) and the MTP layer with its head (`MtpDrafter.run_layers`). The entry point
+(`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point
 looks up the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled
 graph holds no host synchronisation; the span reaches it as the mask's size, so one graph serves every
 length. Passes the graphs would have to break stay eager: prompt passes (more positions than a verify

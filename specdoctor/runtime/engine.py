@@ -7,9 +7,7 @@ with Engine(RuntimeOptions("demo", pp=4, num_speculative_tokens=3, drafter_polic
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
-import socket
 import time
 from multiprocessing.connection import wait as wait_for_any
 
@@ -35,38 +33,14 @@ from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS
 from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
+from specdoctor.runtime.launch import free_port, process_state, rank_context
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import TapReading
 from specdoctor.runtime.worker import rank_main
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_context():
-    """Ranks fork from a server process that has imported the runtime (torch included) once: a rank then
-    starts in a fraction of a second instead of importing it all again, as a spawned one would. The server
-    never touches a device, so forking from it is as safe as spawning; it ends with this process."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["specdoctor.runtime.fork_preload"])
-    return context
-
-
 # What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).
 ERRORS = ("error", "peer_error")
-
-
-def process_state(pid: int) -> str | None:
-    """The one-letter state Linux reports for a process ('T' when stopped), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class Engine:
@@ -171,7 +145,7 @@ class Engine:
         return self._wait_for("result", self.silence_limit_s, on_partial=on_tokens)[2]
 
     def start_continuous(self, num_speculative_tokens: int | None = None) -> None:
-        """Switch the ranks to continuous batching (runtime/continuous.py) until the engine closes: requests
+        """Switch the ranks to continuous batching (runtime/decode/continuous.py) until the engine closes: requests
         `join` and `cancel` between steps, and `next_updates` brings each step's news."""
         if self._closed:
             raise PipelineError("the engine is closed")

@@ -22,7 +22,7 @@ class Choice(str, Enum):
 
 
 class EmbeddingPolicy(Choice):
-    """How the drafter's embedding is loaded (runtime/drafter/loading.py says which engines do each)."""
+    """How the drafter's embedding is loaded (runtime/drafter/policy.py says which engines do each)."""
 
     FIXED = "fixed"
     ENGINE_LEGACY = "engine-legacy"
@@ -47,7 +47,7 @@ class Fill(Choice):
 
 
 class TapPolicy(Choice):
-    """How a block drafter's taps (target layers' hidden states) reach the drafter's rank (runtime/taps.py)."""
+    """How a block drafter's taps (target layers' hidden states) reach the drafter's rank (runtime/drafter/taps.py)."""
 
     FIXED = "fixed"  # each rank sends its taps on with the hidden states (vLLM 0.32)
     LOCAL_ONLY = "local-only"  # not relayed: the drafter's rank reads zeros for layers it does not own

@@ -21,6 +21,7 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
 from specdoctor.runtime.decode.requests import GenerateRequest
+from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
@@ -50,13 +51,19 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     return model, info
 
 
-def build_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
+def build_rank(
+    options: RuntimeOptions, rank: int, checkpoint: Checkpoint | None = None, kind: DrafterKind | None = None
+) -> tuple[RankModel, dict]:
     """This rank's stage (and the drafter on the last rank), reading only the tensors it owns; not yet
-    connected to its peers (`comm` is None), so one rank of a pipeline can be built alone (the tests)."""
+    connected to its peers (`comm` is None), so one rank of a pipeline can be built alone (the tests, and a
+    model larger than the machine). `checkpoint` and `kind`: already opened by the caller."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
-    checkpoint = Checkpoint(options.model)
+    checkpoint = checkpoint or Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
-    kind = open_drafter(checkpoint, options.model, options.speculative_model)
+    if kind is None:
+        kind = open_drafter(checkpoint, options.model, options.speculative_model)
+    else:
+        kind.require_runnable()
     ranks = placements(checkpoint.config, options.pp, options.pp_partition, has_drafter=kind is not None)
     placement = ranks[rank]
     stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
@@ -108,7 +115,7 @@ def serve(
     poll: Callable[[bool], list[tuple]] | None = None,
 ) -> None:
     """Run broadcast commands until 'shutdown'. Only the first rank has `next_command` and, for continuous
-    batching, `poll` (see runtime/continuous.py)."""
+    batching, `poll` (see runtime/decode/continuous.py)."""
     while True:
         kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
         if kind == "shutdown":

@@ -41,13 +41,15 @@ class Reply:
         as an engine checking after every token would (a step may have emitted a few more)."""
         text, stopped = apply_stop(self.decode(job.tokens), self.stops)
         if stopped:
-            kept = 1 + bisect.bisect_left(
-                range(1, len(job.tokens) + 1), True, key=lambda n: self.stopped(job.tokens[:n])
-            )
+            kept = self.kept_tokens(job.tokens)
             job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]
             job.finish_reason = "stop"
         self.state.metrics.record_request(job.finish_reason, len(job.sequence.prompt), len(job.tokens), job.metrics)
         return text, job.finish_reason
+
+    def kept_tokens(self, tokens: list[int]) -> int:
+        """How many tokens a stop string keeps: up to the one that completed it."""
+        return 1 + bisect.bisect_left(range(1, len(tokens) + 1), True, key=lambda n: self.stopped(tokens[:n]))
 
     def usage(self) -> dict:
         """Each prompt counted once (n choices share it), every choice's tokens counted."""
@@ -129,8 +131,9 @@ class Reply:
                 text, stopped = apply_stop(self.decode(job.tokens), self.stops)
                 ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
                 if len(ready) > len(sent[index]) and ready.startswith(sent[index]):
-                    yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], len(job.tokens))
-                    sent[index], sent_tokens[index] = ready, len(job.tokens)
+                    covered = self.kept_tokens(job.tokens) if stopped else len(job.tokens)  # none past a stop
+                    yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], covered)
+                    sent[index], sent_tokens[index] = ready, covered
             await generation
         except asyncio.CancelledError:  # the client went away: its requests leave the batch
             generation.cancel()

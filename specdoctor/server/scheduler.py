@@ -1,7 +1,7 @@
 """Continuous batching for the server: requests join the engine's running batch between steps and leave
 it as soon as they finish (their limit, a stop token id, a stop string, or a client that went away).
 
-The engine's ranks do the batching (runtime/continuous.py); this side keeps at most `max_running`
+The engine's ranks do the batching (runtime/decode/continuous.py); this side keeps at most `max_running`
 requests in the engine, queues up to `max_waiting` more, and refuses the rest with a 429.
 """
 

@@ -25,15 +25,20 @@ class SpecdoctorServer:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + start_timeout_s
-        while time.time() < deadline and self.process.poll() is None:
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    self.rank_pids = httpx.get(f"{self.url}/health").json()["rank_pids"]
+                health = httpx.get(f"{self.url}/health", timeout=1)
+                if health.status_code == 200:
+                    self.rank_pids = health.json()["rank_pids"]
                     return
             except httpx.HTTPError:
-                time.sleep(0.5)
-        raise AssertionError(f"server did not start: {self.process.communicate(timeout=30)}")
+                pass  # not listening yet
+            time.sleep(0.2)  # between polls, whatever the answer was
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # it stops its ranks, then its output can be read
+        output = self.process.communicate(timeout=60)
+        raise AssertionError(f"server did not answer /health with 200 within {start_timeout_s:g} s: {output}")
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import struct
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -149,6 +151,19 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: corrupt safetensors header: bad offsets for tensor {key!r}")
         tensors[key] = TensorInfo(key, path.name, dtype, shape, end - begin, 8 + header_len + begin)
     return tensors
+
+
+def map_bytes(path: Path, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of the file at `offset` as a uint8 tensor over a private (copy-on-write) memory map."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        with path.open("rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), nbytes + offset - start, offset=start, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot map {nbytes} bytes at {offset} ({err})") from None
+    with warnings.catch_warnings():  # the map is writable (copy-on-write): torch's non-writable warning is moot
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapping, dtype=torch.uint8, offset=offset - start, count=nbytes)
 
 
 def read_exactly(path: Path, offset: int, into: torch.Tensor) -> None:

@@ -34,13 +34,15 @@ def target_head_key(checkpoint: Checkpoint) -> str:
 
 
 def target_key_for(checkpoint: Checkpoint):
-    """name -> key for the target's parameters: the embedding (and a tied head) from the first candidate."""
+    """name -> key for the target's parameters: the embedding (and a tied head) from the first candidate; the
+    other `model.*` tensors under the config's decoder prefix (`model.language_model.` where it nests)."""
     embedding = target_embedding_key(checkpoint)
     tied = checkpoint.config.tie_word_embeddings
+    prefix = checkpoint.config.decoder_prefix
 
     def key_for(name: str) -> str:
         if name == TARGET_EMBEDDING or (tied and name == TARGET_HEAD):
             return embedding
-        return name
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     return key_for

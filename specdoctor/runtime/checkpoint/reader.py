@@ -20,6 +20,7 @@ from specdoctor.runtime.checkpoint.files import (
     TORCH_DTYPES,
     TensorInfo,
     _numel,
+    map_bytes,
     read_exactly,
     read_json,
     read_shard_header,
@@ -47,6 +48,9 @@ class Checkpoint:
         self.tensors = self._logical_tensors()  # a quantised weight appears once, under its own key
         self.keys_read: list[str] = []
         self.bytes_read = 0
+        # Load tensors as copy-on-write maps of their shards instead of reading them (`mapped`): a rank of a
+        # model larger than the machine measured without holding it (runtime/memory.py).
+        self.map_weights = False
 
     def _weight_map(self) -> tuple[str, dict[str, str] | None]:
         """(layout name, key -> shard from the index, or None when headers alone define it)."""
@@ -156,6 +160,14 @@ class Checkpoint:
         if key in self.quantized:
             return self._read_dequantized(key, rows, out)
         return self._read_stored(key, rows, out)
+
+    def mapped(self, key: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """A copy-on-write memory map of a stored tensor, with no copy in memory (pages come from the shard
+        when touched); None for a tensor that must be converted on the way (quantised, another dtype)."""
+        info = self.stored.get(key)
+        if key in self.quantized or info is None or TORCH_DTYPES.get(info.dtype) != dtype or not info.nbytes:
+            return None
+        return map_bytes(self.path / info.shard, info.offset, info.nbytes).view(dtype).reshape(info.shape)
 
     def _read_stored(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
         info = self.stored.get(key)

@@ -2,7 +2,7 @@
 
 Every rank runs `decode_batch` in lockstep. Tokens are known to all ranks (the last rank broadcasts
 each step's decision); only hidden states travel rank to rank. The last rank verifies drafts,
-proposes the next ones and decides (runtime/speculative.py); every other rank learns from that
+proposes the next ones and decides (runtime/decode/speculative.py); every other rank learns from that
 broadcast how many tokens were accepted, so positions and KV caches stay in sync on all of them.
 """
 

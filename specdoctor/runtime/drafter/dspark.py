@@ -9,11 +9,10 @@ engine-legacy loads the head as fixed does (vLLM 0.32 shares the target's lm_hea
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
-from specdoctor.runtime.checkpoint.loader import allocate, load_module
+from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, DrafterKind
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
@@ -93,16 +92,11 @@ class DSparkKind(DrafterKind):
             "mask_token_id": config.mask_token_id,
         }
 
-    def tensor_names(self, live: nn.Module | None = None) -> list[str]:
-        with torch.device("meta"):
-            names = list(DSparkDrafter(self.drafter.config).state_dict())
-        # vLLM drops a configured confidence head the checkpoint does not ship, and so does `build`.
-        kept = hasattr(live, "confidence_head") if live is not None else self.ships_confidence_head
-        return [name for name in names if kept or not name.startswith(CONFIDENCE)]
-
-    @property
-    def ships_confidence_head(self) -> bool:
-        return any(key.startswith(CONFIDENCE) for key in self.drafter.tensors)
+    def module(self) -> DSparkDrafter:
+        module = DSparkDrafter(self.drafter.config)
+        if module.config.confidence_head and not any(key.startswith(CONFIDENCE) for key in self.drafter.tensors):
+            del module.confidence_head  # vLLM drops a configured head the checkpoint does not ship
+        return module
 
     def expected_source(self, name: str) -> Source:
         """The drafter's own tensor, else (embedding and head) the target's."""
@@ -114,10 +108,9 @@ class DSparkKind(DrafterKind):
     def build(
         self, stage: TargetStage, options: RuntimeOptions, device: torch.device
     ) -> tuple[DSparkDrafter, Provenance]:
-        own, config = self.drafter, self.drafter.config
-        drafter = allocate(lambda: DSparkDrafter(config), options.dtype.torch(), device)
-        if config.confidence_head and not self.ships_confidence_head:
-            del drafter.confidence_head  # vLLM drops a configured head the checkpoint does not ship
+        own = self.drafter
+        lazy = any(source.map_weights for source in self.checkpoints)
+        drafter = allocate(self.module, options.dtype.torch(), device, lazy)
         provenance = Provenance()
         markov_unloaded = options.markov_policy == MarkovPolicy.UNLOADED
 
@@ -128,7 +121,7 @@ class DSparkKind(DrafterKind):
         body = load_module(drafter, own, own_key)
         provenance.sources.update({name: f"checkpoint:{name}" for name in body.filled})
         provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
-        place = Placer(drafter, stage, options, provenance)
+        place = Placer(drafter, stage, options, provenance, device)
         if markov_unloaded:
             for module in ("markov_head.markov_w1", "markov_head.markov_w2"):
                 place.leave_unloaded(module, stage.lm_head)
@@ -137,6 +130,7 @@ class DSparkKind(DrafterKind):
         # vLLM 0.32 shares the target's lm_head at any PP size: engine-legacy loads it as fixed does.
         policy = HeadPolicy.UNLOADED if options.head_policy == HeadPolicy.UNLOADED else HeadPolicy.FIXED
         place.head("lm_head", self.own_source(HEAD), (target, target_head_key(target)), policy)
+        materialize(drafter, device)
         return drafter.eval(), provenance
 
     def own_source(self, name: str) -> Source | None:

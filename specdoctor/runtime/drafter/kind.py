@@ -94,9 +94,15 @@ class DrafterKind(ABC):
         return {}
 
     @abstractmethod
-    def tensor_names(self, live: nn.Module | None = None) -> list[str]:
-        """Every parameter and buffer the drafter has, from the module built on the meta device (a live module
-        may hold an aliased placeholder instead of a tensor); `live` drops parts the loaded drafter lacks."""
+    def module(self) -> nn.Module:
+        """The drafter's module as its engine builds it, uninitialised, on the current device (the meta device
+        for its tensor names and sizes)."""
+
+    def tensor_names(self) -> list[str]:
+        """Every parameter and buffer the drafter has, from its module built on the meta device (a live module
+        may hold an aliased placeholder instead of a tensor)."""
+        with torch.device("meta"):
+            return list(self.module().state_dict())
 
     @abstractmethod
     def expected_source(self, name: str) -> Source | None:

@@ -15,6 +15,11 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import has_real_weight
 
 SAMPLED_ROWS = 64
+# Elements measured per pass: the kernels' float32 temporaries stay near 64 MiB however large the tensor (a
+# real vocabulary's embedding is 129,280 x 7,168), and a tensor under it is measured in one pass.
+CHUNK_ELEMENTS = 16 << 20
+ADDED = ("nan", "posinf", "neginf", "zeros", "sum", "sumsq")
+STATS_ROWS = 2048  # rows of a larger matrix measured (evenly spaced): what stays uninitialised spans many
 
 
 @dataclass
@@ -35,17 +40,20 @@ class DrafterState:
 
 def tensor_stats(tensor: torch.Tensor) -> dict:
     """NaN/Inf counts, zero fraction, and moments of the finite values (one pass through the kernels);
-    duplicate rows for matrices, from per-row fingerprints."""
-    raw = kernels.tensor_stats(tensor)
-    numel = tensor.numel()
-    finite = numel - raw["nan"] - raw["posinf"] - raw["neginf"]
+    duplicate rows for matrices, from per-row fingerprints. A matrix of more than STATS_ROWS rows (a real
+    vocabulary's table: 129,280 x 7,168) is measured on STATS_ROWS rows spread evenly over it."""
+    numel, sampled = tensor.numel(), tensor.dim() == 2 and tensor.shape[0] > STATS_ROWS
+    if sampled:
+        tensor = tensor.detach()[torch.linspace(0, tensor.shape[0] - 1, STATS_ROWS, device=tensor.device).long()]
+    raw = chunked_stats(tensor)
+    finite = tensor.numel() - raw["nan"] - raw["posinf"] - raw["neginf"]  # of the values measured
     mean = raw["sum"] / finite if finite else float("nan")
     variance = (raw["sumsq"] / finite - mean * mean) * finite / (finite - 1) if finite > 1 else float("nan")
     stats = {
         "numel": numel,
         "nan": raw["nan"],
         "inf": raw["posinf"] + raw["neginf"],
-        "zero_fraction": raw["zeros"] / numel if numel else 0.0,
+        "zero_fraction": raw["zeros"] / tensor.numel() if tensor.numel() else 0.0,
         "mean": mean,
         "std": math.sqrt(max(variance, 0.0)) if finite > 1 else float("nan"),
         "absmax": raw["absmax"] if finite else float("nan"),
@@ -53,10 +61,30 @@ def tensor_stats(tensor: torch.Tensor) -> dict:
     if tensor.dim() == 2 and tensor.shape[0] > 1:
         # Equal rows (e.g. an all-zero table) share a fingerprint: a projection on a fixed random direction.
         projection = torch.randn(tensor.shape[1], generator=torch.Generator().manual_seed(0)).to(tensor.device)
-        rows = torch.arange(tensor.shape[0], device=tensor.device)
-        _, fingerprints = kernels.row_fingerprints(tensor.detach(), rows, projection)
+        step, rows = max(1, CHUNK_ELEMENTS // tensor.shape[1]), torch.arange(len(tensor), device=tensor.device)
+        chunks = [rows[start : start + step] for start in range(0, len(tensor), step)]
+        fingerprints = torch.cat([kernels.row_fingerprints(tensor.detach(), chunk, projection)[1] for chunk in chunks])
         stats["duplicate_row_fraction"] = 1.0 - fingerprints.unique().numel() / tensor.shape[0]
+    if sampled:
+        stats["sampled_rows"] = STATS_ROWS
     return stats
+
+
+def chunked_stats(tensor: torch.Tensor) -> dict[str, float]:
+    """The kernels' raw statistics of the whole tensor, CHUNK_ELEMENTS at a time."""
+    flat = tensor.detach().reshape(-1)
+    total: dict[str, float] | None = None
+    for start in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
+        raw = kernels.tensor_stats(flat[start : start + CHUNK_ELEMENTS])
+        if total is None:
+            total = raw
+            continue
+        total = {key: total[key] + raw[key] for key in ADDED} | {
+            "min": min(total["min"], raw["min"]),
+            "max": max(total["max"], raw["max"]),
+            "absmax": max(total["absmax"], raw["absmax"]),
+        }
+    return total
 
 
 def fingerprint_mismatch(checkpoint: Checkpoint, key: str, loaded: torch.Tensor) -> tuple[int, int]:
@@ -78,7 +106,7 @@ def measure_drafter(model) -> DrafterState:
     device = model.device
     state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled())
     kind = model.kind
-    for name in kind.tensor_names(model.drafter):
+    for name in kind.tensor_names():
         module_name, leaf = name.rsplit(".", 1)
         module = model.drafter.get_submodule(module_name)
         if not has_real_weight(module):

@@ -9,10 +9,9 @@ optional own embedding and head, is the family's `MtpKeyLayout` (runtime/config.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specdoctor.runtime.checkpoint.keys import TARGET_EMBEDDING_KEYS, target_head_key
-from specdoctor.runtime.checkpoint.loader import allocate, load_module
+from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.kind import EMBEDDING, DrafterKind
@@ -103,9 +102,8 @@ class MtpKind(DrafterKind):
     label = "MTP layers"
     stats_parts = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
 
-    def tensor_names(self, live: nn.Module | None = None) -> list[str]:
-        with torch.device("meta"):
-            return list(MtpDrafter(self.target.config).state_dict())
+    def module(self) -> MtpDrafter:
+        return MtpDrafter(self.target.config)
 
     def expected_source(self, name: str) -> Source | None:
         key = expected_key(self.target, name)
@@ -113,14 +111,15 @@ class MtpKind(DrafterKind):
 
     def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[MtpDrafter, Provenance]:
         checkpoint, config = self.target, self.target.config
-        drafter = allocate(lambda: MtpDrafter(config), options.dtype.torch(), device)
+        lazy = any(source.map_weights for source in self.checkpoints)
+        drafter = allocate(self.module, options.dtype.torch(), device, lazy)
         provenance = Provenance()
         body = load_module(
             drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
         )
         provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
         provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
-        place = Placer(drafter, stage, options, provenance)
+        place = Placer(drafter, stage, options, provenance, device)
         own = checkpoint.first_present(own_embedding_keys(config))
         target = checkpoint.first_present(list(TARGET_EMBEDDING_KEYS))
         place.embedding(own and (checkpoint, own), target and (checkpoint, target), own_copy_first=False)
@@ -132,4 +131,5 @@ class MtpKind(DrafterKind):
             own_source = (checkpoint, own_head) if own_head in checkpoint.tensors else None
             module = drafter_head_name(layer_id).removesuffix(".weight")
             place.head(module, own_source, (checkpoint, target_head_key(checkpoint)), policy)
+        materialize(drafter, device)
         return drafter.eval(), provenance

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdoctor.runtime.checkpoint.loader import load_module
+from specdoctor.runtime.checkpoint.loader import load_module, materialize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import EmbeddingPolicy, Fill, HeadPolicy, RuntimeOptions
@@ -80,8 +80,9 @@ class Placer:
     """Puts one drafter module's weight in place (loaded, aliased or left as allocated) and records where it
     came from."""
 
-    def __init__(self, drafter: nn.Module, stage: TargetStage, options: RuntimeOptions, provenance: Provenance):
+    def __init__(self, drafter: nn.Module, stage: TargetStage, options: RuntimeOptions, provenance: Provenance, device):
         self.drafter, self.stage, self.options, self.provenance = drafter, stage, options, provenance
+        self.device = device
 
     def load(self, module: str, source: Source) -> None:
         checkpoint, key = source
@@ -95,8 +96,9 @@ class Placer:
 
     def leave_unloaded(self, module: str, stale: nn.Module) -> None:
         """What an engine's allocation holds; a stale fill takes `stale`'s bytes where it is materialised."""
-        fill = self.options.fill
-        fill_unloaded(self.drafter.get_submodule(module).weight, fill, stale.weight if has_real_weight(stale) else None)
+        fill, owner = self.options.fill, self.drafter.get_submodule(module)
+        materialize(owner, self.device)  # a lazily allocated drafter (checkpoint/loader.py) has no storage yet
+        fill_unloaded(owner.weight, fill, stale.weight if has_real_weight(stale) else None)
         self.provenance.sources[f"{module}.weight"] = f"unfilled:{fill}"
 
     def embedding(self, own: Source | None, target: Source | None, own_copy_first: bool) -> None:

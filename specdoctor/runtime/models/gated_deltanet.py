@@ -7,7 +7,7 @@ softplus(a + dt_bias) and write strength beta = sigmoid(b):
     S = S * exp(g);  S = S + k (beta (v - S^T k))^T;  out = S^T q
 
 and the output is RMS-normed per head, gated by SiLU(z), and projected. The state S [key_dim, value_dim]
-and the conv window (the last K-1 inputs) are what the cache carries (runtime/linear_state.py).
+and the conv window (the last K-1 inputs) are what the cache carries (runtime/cache/linear_state.py).
 Qwen3-Next stores q, k, v, z in one `in_proj_qkvz` grouped per key head (and b, a in `in_proj_ba`);
 Qwen3.5 stores `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
 """

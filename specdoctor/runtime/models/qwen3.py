@@ -2,8 +2,8 @@
 
 Grouped-query attention with per-head q/k RMSNorm and rotary over the whole head (neox layout), no
 attention bias by default, a dense SwiGLU MLP in every layer; the block is GLM-4.5's with those settings.
-The checkpoint has no MTP layers: its drafters are separate checkpoints (docs/dspark.md), which the
-runtime does not run yet, so it decodes plainly. vLLM 0.32: `models/qwen3.py`.
+The checkpoint has no MTP layers: its drafters are separate checkpoints (a DSpark drafter: docs/dspark.md,
+runtime/drafter/dspark.py); without one it decodes plainly. vLLM 0.32: `models/qwen3.py`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class TargetStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): family.decoder_layer(config, i) for i in self.layer_ids})
         self.model.norm = family.norm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if has_head else PPMissingLayer()
-        # Residual-stream entries a block drafter reads that this stage captures (runtime/taps.py): entry j is
+        # Residual-stream entries a block drafter reads that this stage captures (runtime/drafter/taps.py): entry j is
         # the state entering layer j, taken after layer j - 1 runs (entry 0, the embedding output, on the first).
         self.tap_entries: tuple[int, ...] = ()
 

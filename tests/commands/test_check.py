@@ -13,12 +13,12 @@ import xml.etree.ElementTree as ET
 import pytest
 from safetensors.torch import load_file, save_file
 
-from specdoctor.commands.check import CheckOptions, run_check
 from specdoctor.runtime.checkpoint.files import DEMO_DIR, DEMO_MODELS
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.workflow.check import CheckOptions, run_check
+from tests.commands.test_cli import rename_key
 from tests.conftest import make_hf_checkpoint
 from tests.quant.fp8_checkpoint import write_fp8_checkpoint
-from tests.test_cli import rename_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -120,6 +120,17 @@ def test_fault_is_found_by_content_and_behaviour_and_repaired_with_or_without_a_
         assert not [f for f in after.findings if f.severity == "error"], after.findings
         assert after.behaviour["battery"] == "9/9"
         assert report.healthy and report.exit_code == 0
+        # A NaN embedding or head makes every draft token 0 whatever the context: the spread of the proposals
+        # names that on its own. Zeroed or stale weights still vary with the context, and so do healthy ones.
+        constant = [f for f in before.findings if f.check == "behaviour.constant_proposals"]
+        if fill == "nan":
+            assert [(f.severity, f.message.split(" (")[0]) for f in constant] == [
+                ("error", f"100% of {before.behaviour['proposals']['count']} drafts are token 0")
+            ]
+            assert "behaviour.constant_proposals" in signals["behaviour"]
+        elif fill != "empty":
+            assert constant == [], constant
+        assert not [f for f in after.findings if f.check == "behaviour.constant_proposals"], after.findings
         # Whether `empty` memory's statistics look abnormal varies with what it holds; the fingerprint against
         # the checkpoint fires for every value, so only that is compared for it.
         content = [c for c in signals["content"] if not (fill == "empty" and c == "drafter.stats")]

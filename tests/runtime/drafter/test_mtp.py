@@ -1,12 +1,20 @@
-"""The MTP drafter: loading from a real checkpoint, and its step against an independent reference
-built from transformers' own Glm4MoeDecoderLayer (docs/engine-semantics.md §MTP step)."""
+"""The MTP drafter: loading from a real checkpoint, its step against an independent reference built from
+transformers' own Glm4MoeDecoderLayer, and the hidden state the engine feeds it (docs/engine-semantics.md §MTP
+step)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.loading import load_target_and_drafter
 
@@ -115,3 +123,88 @@ def test_every_chain_step_runs_the_first_mtp_layer_as_vllm_does(tmp_path):
         }
     torch.testing.assert_close(logits, expected[4][1], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(logits, expected[5][1], rtol=1e-3, atol=1e-3)
+
+
+def copying_checkpoint(path, seed: int) -> None:
+    """A tiny GLM-4.5 checkpoint (transformers' own class) whose MTP layer proposes the target's own argmax at the
+    position it reads, i.e. the token the target just emitted, when it is fed the target's final-normed state:
+    its block adds nothing to the residual (o_proj and every down_proj zero), eh_proj passes hnorm(previous
+    hidden) through and ignores the embedding, hnorm and shared_head.norm are all ones and its head is lm_head.
+    Its logits are then lm_head(final) times a positive number. Fed the pre-norm state instead, it computes
+    lm_head(rmsnorm(hidden)) without the final norm's weights, which are random and of both signs here: other
+    tokens."""
+    make_hf_checkpoint(path, seed=seed)
+    config = json.loads((path / "config.json").read_text())
+    mtp, hidden = f"model.layers.{config['num_hidden_layers']}.", config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = {shard: load_file(str(path / shard)) for shard in set(index["weight_map"].values())}
+    tensors = {key: shards[shard][key] for key, shard in index["weight_map"].items()}
+    changed = {
+        "model.norm.weight": torch.randn(hidden, generator=generator),
+        mtp + "eh_proj.weight": torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1),
+        mtp + "hnorm.weight": torch.ones(hidden),
+        mtp + "shared_head.norm.weight": torch.ones(hidden),
+        mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+    }
+    changed |= {
+        key: torch.zeros_like(value)
+        for key, value in tensors.items()
+        if key.startswith(mtp) and key.endswith(("o_proj.weight", "down_proj.weight"))
+    }
+    assert any("experts" in key for key in changed) and any("o_proj" in key for key in changed)
+    for key, value in changed.items():
+        assert value.shape == tensors[key].shape, key
+        shards[index["weight_map"][key]][key] = value.to(tensors[key].dtype).contiguous()
+    for shard, content in shards.items():
+        save_file(content, str(path / shard), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def copying_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("copying_mtp")
+    copying_checkpoint(path, seed=61)
+    return path
+
+
+def copying_drafter_run(target: list[list[int]], limit: int, k: int) -> tuple[list[int], SpecMetrics]:
+    """What the engine must report for a drafter whose k drafts all repeat the last emitted token, given the
+    target's greedy tokens (`limit` + k of them per row): every proposal in commit order (the prompt pass's, then
+    each step's, for the rows that go on), and the counters. Draft j is accepted while the target's next token
+    repeats the last one; a step emits the accepted drafts and one token of the target's."""
+    emitted = [1] * len(target)  # the prompt pass emits the first token
+    proposals = [row[0] for row in target for _ in range(k)] if limit > 1 else []
+    metrics = SpecMetrics()
+    while any(n < limit for n in emitted):
+        for row, tokens in enumerate(target):
+            if emitted[row] >= limit:
+                continue
+            last = tokens[emitted[row] - 1]
+            accepted = 0
+            while accepted < k and tokens[emitted[row] + accepted] == last:
+                accepted += 1
+            metrics.record(accepted, k)
+            emitted[row] = min(emitted[row] + accepted + 1, limit)
+            if emitted[row] < limit:
+                proposals += [tokens[emitted[row] - 1]] * k
+    return proposals, metrics
+
+
+COPY_PROMPTS = [[5, 9, 14, 3, 77], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20], [250, 250, 3]]
+
+
+@pytest.mark.parametrize("pp, k", [(1, 1), (2, 2)])
+def test_the_engine_feeds_the_mtp_drafter_the_targets_final_normed_state(copying_model, pp, k):
+    """Through the engine (the drafter on the last rank), a drafter built to copy the target's last token does
+    exactly that, at the prompt pass and at every step, and the counters are the ones that copy dictates. Fed
+    the pre-norm hidden state instead (a known engine bug, §MTP step), its proposals are other tokens."""
+    limit = 24
+    with Engine(RuntimeOptions(str(copying_model), pp=pp, drafter_policy="fixed", timeout=60)) as engine:
+        target = engine.generate(COPY_PROMPTS, limit + k).tokens  # target-only greedy decoding
+        result = engine.generate(COPY_PROMPTS, limit, num_speculative_tokens=k)
+    assert result.tokens == [tokens[:limit] for tokens in target]  # lossless
+    proposals, metrics = copying_drafter_run(target, limit, k)
+    assert result.proposals == proposals
+    assert result.metrics.to_dict() == metrics.to_dict()
+    # The construction is not trivial here: the target both repeats itself (drafts accepted) and moves on.
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens

@@ -15,9 +15,9 @@ from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
-from specdoctor.workflow import run_check
+from specdoctor.workflow.check import run_check
+from tests.commands.test_check import TOKENIZER_FILES, check_options, specdoctor, with_word_tokenizer
 from tests.conftest import make_hf_checkpoint
-from tests.test_check import TOKENIZER_FILES, check_options, specdoctor, with_word_tokenizer
 
 # DeepSeek-V3's own quantization_config (its config.json on the hub).
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -66,7 +66,11 @@ def test_float8_weights_without_a_scheme_are_refused_by_the_runtime_and_read_by_
     report = json.loads(check.stdout)
     # The pre-flight's error (weights no one can dequantise exactly) sets the exit code; the runtime is skipped.
     assert check.returncode == report["verdict"]["exit_code"] == 1 and report["stages"] == []
-    assert {f["check"] for f in report["preflight"] if f["severity"] == "error"} == {"quantization.unreadable"}
+    assert {f["check"] for f in report["preflight"] if f["severity"] == "error"} == {
+        "quantization.unreadable",
+        "runtime.skipped",
+    }
+    assert report["verdict"]["summary"].startswith("not verified: checked pre-flight; not run: ")
     skipped = [f for f in report["preflight"] if f["check"] == "runtime.skipped"]
     assert skipped and scheme in skipped[0]["message"]
 

@@ -17,7 +17,7 @@ from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
-from tests.test_demo_runtime import NEW_TOKENS, TEXTS
+from tests.demos.test_demo_runtime import NEW_TOKENS, TEXTS
 
 DEMO = "demo-dspark"
 SIZE_LIMIT = 15_000_000  # target and drafter together (the issue's bar)
@@ -78,9 +78,9 @@ def test_pipeline_output_and_acceptance_equal_one_process(prompts, single_proces
 
 
 def test_inspect_describes_the_drafter_and_where_its_taps_live():
-    from tests.test_cli import specdoctor
+    from tests.commands.test_cli import specdoctor
 
-    result = specdoctor("inspect", "--model", DEMO, "--pp", "4", "--json")
+    result = specdoctor("inspect", "--model", DEMO, "--pp", "4", "--json", "-")
     assert result.returncode == 0, result.stderr
     import json
 
@@ -96,10 +96,21 @@ def test_generate_and_bench_run_it_across_ranks_from_the_command_line(prompts, s
     PP 3 with its block size, lossless."""
     import json
 
-    from tests.test_cli import specdoctor
+    from tests.commands.test_cli import specdoctor
 
     config = json.dumps({"method": "dspark", "model": str(DEMO_DRAFTERS[DEMO]), "num_speculative_tokens": 5})
-    args = ["--model", DEMO, "--pp", "4", "--speculative-config", config, "--max-tokens", str(NEW_TOKENS), "--json"]
+    args = [
+        "--model",
+        DEMO,
+        "--pp",
+        "4",
+        "--speculative-config",
+        config,
+        "--max-tokens",
+        str(NEW_TOKENS),
+        "--json",
+        "-",
+    ]
     result = specdoctor("generate", *args, "--prompt", TEXTS[0])
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -122,7 +133,7 @@ def test_serve_drafts_with_it_by_default_and_counts_like_vllm(prompts, single_pr
     from openai import OpenAI
 
     from tests.helpers.servers import SpecdoctorServer
-    from tests.test_server import scrape
+    from tests.server.test_server import scrape
 
     server = SpecdoctorServer("--pp", "2", model=DEMO)
     try:
@@ -165,7 +176,7 @@ def test_check_names_each_fault_from_content_and_behaviour(fault):
     faults also show in the block's shape (a collapse at every position or a decay along it) and are
     repaired to a healthy 9/9 battery, while a tap fault, which no checkpoint read fixes, stays an error
     after --repair."""
-    from specdoctor.commands.check import CheckOptions, run_check
+    from specdoctor.workflow.check import CheckOptions, run_check
 
     pp, loading, content, shape, repairable = FAULTS[fault]
     runtime = RuntimeOptions(DEMO, pp=pp, num_speculative_tokens=None, **{"drafter_policy": "fixed", **loading})

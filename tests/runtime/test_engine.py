@@ -21,6 +21,7 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.reference_decoder import greedy_generate
+from tests.helpers.waiting import process_state, wait_for
 
 PROMPTS = [[5, 9, 14, 3, 77], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -132,6 +133,7 @@ def test_seeded_sampling_is_reproducible(hf_checkpoint):
 def test_a_killed_rank_is_named_within_the_timeout(hf_checkpoint):
     with Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=3, timeout=10)) as engine:
         os.kill(engine.rank_pids[1], signal.SIGKILL)
+        wait_for(lambda: process_state(engine.rank_pids[1]), lambda state: state in (None, "Z"), 10, "rank 1 to die")
         start = time.time()
         with pytest.raises(PipelineError, match="rank 1") as caught:
             engine.generate(PROMPTS, 8)
@@ -143,6 +145,7 @@ def test_a_hung_rank_is_named_within_the_timeout(hf_checkpoint):
     engine = Engine(RuntimeOptions(str(hf_checkpoint[0]), pp=2, timeout=4))
     try:
         os.kill(engine.rank_pids[1], signal.SIGSTOP)
+        wait_for(lambda: process_state(engine.rank_pids[1]), lambda state: state == "T", 10, "rank 1 to stop")
         start = time.time()
         with pytest.raises(PipelineError, match="rank 1"):
             engine.generate(PROMPTS, 8)
@@ -200,6 +203,8 @@ def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
     try:
         for pid in engine.rank_pids:
             os.kill(pid, signal.SIGSTOP)
+        states = lambda: [process_state(pid) for pid in engine.rank_pids]  # noqa: E731
+        wait_for(states, lambda seen: seen == ["T", "T"], 10, "both ranks to stop")
         start = time.time()
         with pytest.raises(PipelineError, match=r"rank 0 \(pid \d+\), rank 1 \(pid \d+\) stopped"):
             engine.generate(PROMPTS, 8)

@@ -1,6 +1,6 @@
 """DSpark drafters in one process (docs/dspark.md): the config as vLLM 0.32 reads it, the settings refused,
 the taps against transformers' own hidden states, and each loading policy with the content findings it
-fires and the repair that clears them. tests/test_dspark_pipeline.py runs them across ranks."""
+fires and the repair that clears them. tests/runtime/drafter/test_dspark_pipeline.py runs them across ranks."""
 
 from __future__ import annotations
 
@@ -185,13 +185,13 @@ def test_a_shipped_embedding_is_the_drafters_own(pair, tmp_path):
 )
 def test_a_drafter_that_cannot_draft_for_the_target_is_refused(pair, tmp_path, fields, problem):
     from specdoctor.runtime.engine import Engine
-    from specdoctor.workflow import CheckOptions, run_check
+    from specdoctor.workflow.check import CheckOptions, run_check
 
     make_drafter(tmp_path / "drafter", **fields)
     options = RuntimeOptions(str(pair[0]), pp=2, speculative_model=str(tmp_path / "drafter"))
     with pytest.raises(CheckpointError, match=problem):
         Engine(options)
     report = run_check(CheckOptions(dataclasses.replace(options, num_speculative_tokens=None)), show_progress=False)
-    assert [f.check for f in report.preflight if f.severity == "error"] == ["dspark.pairing"]
+    assert [f.check for f in report.preflight if f.severity == "error"] == ["dspark.pairing", "runtime.skipped"]
     assert report.stages == [] and report.exit_code == 1
     assert any(f.check == "runtime.skipped" for f in report.preflight)

@@ -96,7 +96,7 @@ def test_every_safetensors_dtype_reads_back_exactly_as_safetensors_loads_it(tmp_
     }
     tensors["scalar"], tensors["empty"] = torch.tensor(3.5), torch.zeros(0, 4)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    shutil.copy(Path(__file__).parent.parent / "specdoctor" / "demo_model" / "config.json", tmp_path)
+    shutil.copy(Path(__file__).resolve().parents[3] / "specdoctor" / "demo_model" / "config.json", tmp_path)
     checkpoint, truth = Checkpoint(tmp_path), load_file(str(tmp_path / "model.safetensors"))
     for key, expected in truth.items():
         ours = checkpoint.read(key)

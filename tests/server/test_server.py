@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,20 +18,12 @@ import pytest
 
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.server.protocol import PLAIN_CHAT_TEMPLATE, ChatMessage, render_chat
+from tests.commands.test_cli import rename_key
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port
-from tests.test_cli import rename_key
+from tests.helpers.waiting import alive, wait_for
 
 PROMPTS = ["def read_config(path):\n", "class Parser:\n    def __init__(self", "import os\nimport sys\n"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +32,13 @@ def server():
     yield server
     server.stop()
     assert server.process.returncode is not None
-    time.sleep(2)
-    assert not any(alive(pid) for pid in server.rank_pids)  # SIGTERM stopped every rank
+
+    def live_ranks() -> list[int]:
+        return [pid for pid in server.rank_pids if alive(pid)]
+
+    # SIGTERM stopped every rank (the server joins them before it exits; a rank left behind would wait out its
+    # peers' 60 s timeout, far past this deadline).
+    wait_for(live_ranks, lambda pids: pids == [], 10, "every rank to exit after the server's SIGTERM")
 
 
 def generate_cli(prompts: list[str], max_tokens: int) -> list[str]:
@@ -102,6 +98,14 @@ def scrape(url: str) -> dict[str, float]:
         if match := re.match(r"^(\S+?)(\{.*\})? (\S+)$", line):
             samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
     return samples
+
+
+def gauge(url: str, name: str) -> float:
+    return scrape(url)[f'vllm:{name}{{model_name="demo"}}']
+
+
+def wait_for_gauge(url: str, name: str, value: float, what: str, timeout_s: float = 30) -> None:
+    wait_for(lambda: gauge(url, name), lambda seen: seen == value, timeout_s, f"{what} ({name} = {value:g})")
 
 
 def stream_completion(url: str, body: dict) -> tuple[str, str, dict]:
@@ -294,11 +298,8 @@ def test_api_key_and_a_killed_rank():
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) as stream:
             lines = stream.iter_lines()  # kept: a dropped iterator closes the connection
             next(lines)
-            assert scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] == 1
-        deadline = time.time() + 30
-        while scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] and time.time() < deadline:
-            time.sleep(0.2)
-        assert scrape(server.url)['vllm:num_requests_running{model_name="demo"}'] == 0
+            assert gauge(server.url, "num_requests_running") == 1
+        wait_for_gauge(server.url, "num_requests_running", 0, "the client that left to free its place")
         outcome = {}
 
         def long_request():
@@ -307,7 +308,7 @@ def test_api_key_and_a_killed_rank():
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        time.sleep(2)
+        wait_for_gauge(server.url, "num_requests_running", 1, "the long request to take the one running place")
         # One place running (the long request), one waiting: a third request is refused, not queued.
         waiter = threading.Thread(
             target=httpx.post,
@@ -315,9 +316,10 @@ def test_api_key_and_a_killed_rank():
             kwargs={"json": {"prompt": "x"}, "headers": headers, "timeout": 90},
         )
         waiter.start()
-        time.sleep(0.5)
+        wait_for_gauge(server.url, "num_requests_waiting", 1, "the second request to take the one waiting place")
         full = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers)
-        assert full.status_code == 429 and "full" in full.json()["error"]["message"]
+        assert full.status_code == 429
+        assert "the server is full: 1 requests running and 1 waiting" in full.json()["error"]["message"]
         os.kill(server.rank_pids[1], signal.SIGKILL)
         thread.join(timeout=60)
         waiter.join(timeout=60)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_cli import specdoctor
+from tests.commands.test_cli import specdoctor
 
 
 @pytest.fixture(scope="module")

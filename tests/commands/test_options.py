@@ -16,9 +16,9 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
-from tests.test_check import specdoctor
+from tests.commands.test_check import specdoctor
 
-PACKAGE = Path(__file__).resolve().parent.parent / "specdoctor"
+PACKAGE = Path(__file__).resolve().parents[2] / "specdoctor"
 
 
 def generate_json(*flags: str) -> dict:

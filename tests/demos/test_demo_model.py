@@ -20,7 +20,7 @@ ARCHITECTURES = {
     "demo-mla": "GlmMoeDsaForCausalLM",
     "demo-hybrid": "Qwen3_5MoeForCausalLM",
 }
-# The floating-point demos; demo-w4a16 is their first quantised (tests/test_quantized.py)
+# The floating-point demos; demo-w4a16 is their first quantised (tests/oracles/test_quantized.py)
 demos = pytest.mark.parametrize("demo", sorted(ARCHITECTURES))
 
 

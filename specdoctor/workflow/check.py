@@ -9,7 +9,6 @@ The runtime and the checks are imported inside the functions: the CLI itself sta
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,14 @@ from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.errors import SpecdoctorError
 from specdoctor.report import CheckReport, Finding, StageResult
 from specdoctor.runtime.options import RuntimeOptions
-
-TAP_PROBE_TOKENS = 16  # of the first battery prompt, through the pipeline once per stage
+from specdoctor.workflow.drafter import (
+    TAP_PROBE_TOKENS,
+    StageClock,
+    examine_drafter,
+    preflight_findings,
+    repair_findings,
+    stage_skipped,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class CheckOptions:
     min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
     max_tokens: int = 32
     tp_rank: int = 0  # the TP rank whose vocab shard of the repair is checked (size: runtime.tp)
+    memory_limit: int | None = None  # bytes the ranks may hold together; None: what the machine has
 
     def validate(self) -> None:
         if self.runtime.num_speculative_tokens < 1:
@@ -44,46 +50,17 @@ class CheckOptions:
             raise SpecdoctorError("--max-tokens must be at least 1")
 
 
-@dataclass
-class DrafterExam:
-    """What the loaded-drafter stage found on a live engine."""
-
-    findings: list[Finding]
-    broken: list[str]  # drafter tensors a checkpoint read can refill
-    record: dict  # the report's view: tensors, provenance, broken (and taps, for a drafter that reads them)
-
-
-def examine_drafter(engine, stage: str, tap_prompt: list[int]) -> DrafterExam:
-    """Measure the live drafter on its rank against the checkpoint; where it reads the target's taps, probe
-    which layer each really holds (`tap_prompt` through the pipeline once)."""
-    from specdoctor.checks.drafter import drafter_findings
-    from specdoctor.checks.dspark import tap_findings
-
-    state = engine.measure_drafter()
-    findings, broken = drafter_findings(state, stage)
-    record = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
-    if engine.drafter.taps:
-        readings = engine.probe_taps(tap_prompt)
-        findings += tap_findings(readings, stage)
-        record["taps"] = [dataclasses.asdict(reading) for reading in readings]
-    return DrafterExam(findings, broken, record)
-
-
-def preflight_findings(checkpoint, ranks, drafter) -> list[Finding]:
-    """The pre-flight, headers only; where an MTP layer ships its own copies, their sampled rows too."""
-    from specdoctor.checks.own_copies import own_copy_findings
-    from specdoctor.checks.preflight import preflight
-
-    return preflight(checkpoint, ranks, drafter) + own_copy_findings(checkpoint)
-
-
 def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     """`check` (and `repair`): the pre-flight, then the runtime stages where the runtime can run the pair."""
+    from specdoctor.battery import battery_prompts
     from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS
     from specdoctor.runtime.drafter.kinds import drafter_kind
     from specdoctor.runtime.drafter.repair import vocab_shard_range
+    from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
+    from specdoctor.workflow.alone import run_drafter_rank_alone
 
     runtime = options.runtime
     checkpoint = Checkpoint(runtime.model)
@@ -102,21 +79,34 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
         return report  # nothing to run: the pre-flight error says why
     unrunnable = checkpoint.unrunnable_reason() or drafter.unrunnable_reason()
     if unrunnable:
-        report.preflight.append(runtime_skipped(unrunnable))
+        report.preflight.append(stage_skipped("the loaded-drafter and behaviour stages", unrunnable))
         return report
-    run_stages(report, options, checkpoint, show_progress)
+    prompts, fallback = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, runtime.tokenizer))
+    if fallback:
+        report.preflight.append(Finding("behaviour.battery", "warning", fallback, stage="preflight"))
+    length = battery_length(prompts, options)
+    plan = plan_memory(checkpoint.config, ranks, drafter, runtime, len(prompts), length, options.memory_limit)
+    report.memory = plan.to_dict()
+    try:
+        if plan.fits:
+            run_stages(report, options, checkpoint, prompts, show_progress)
+        else:
+            run_drafter_rank_alone(report, options, checkpoint, drafter, plan)
+    except SpecdoctorError as err:
+        err.report = report  # the findings computed before the error are written with it
+        raise
     return report
 
 
-def run_stages(report: CheckReport, options: CheckOptions, checkpoint, show_progress: bool) -> None:
+def battery_length(prompts: list[list[int]], options: CheckOptions) -> int:
+    """The longest sequence a battery run holds: prompt, new tokens and a step's drafts."""
+    return max(map(len, prompts)) + options.max_tokens + 2 * options.runtime.num_speculative_tokens
+
+
+def run_stages(report: CheckReport, options: CheckOptions, checkpoint, prompts, show_progress: bool) -> None:
     """Start the ranks; the target-only battery; the before stage; with --repair, repair and the after stage."""
-    from specdoctor.battery import battery_prompts
-    from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.engine import Engine
 
-    prompts, fallback = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, options.runtime.tokenizer))
-    if fallback:
-        report.preflight.append(Finding("behaviour.battery", "warning", fallback, stage="preflight"))
     clock = StageClock(report.timings)
     # The runtime computes at TP 1; a larger --tensor-parallel-size names the vocab shard the repair checks.
     runtime = dataclasses.replace(options.runtime, tp=1)
@@ -185,32 +175,6 @@ class StageRunner:
         return StageResult(name, policy, exam.findings + behaviour.pop("findings"), exam.record, behaviour)
 
 
-def startup_check(engine, repair: bool, tap_prompt: list[int], console: Console) -> list[Finding]:
-    """`serve`'s start-up: the pre-flight and the loaded-drafter stage on the engine it serves from; with
-    `repair`, what a checkpoint read fixes is repaired and measured again. Returns the error findings left."""
-    from specdoctor.checks.preflight import preflight
-
-    errors = [f for f in preflight(engine.checkpoint, engine.placements, engine.drafter) if f.severity == "error"]
-    if engine.options.num_speculative_tokens == 0 or not engine.speculates:
-        return errors
-    exam = examine_drafter(engine, "startup", tap_prompt)
-    if exam.broken and repair:
-        result = engine.repair_drafter(exam.broken)
-        console.print(f"repaired {', '.join(result.repaired)} from the checkpoint ({result.bytes_read:,} bytes)")
-        exam = examine_drafter(engine, "startup", tap_prompt)
-    return errors + [f for f in exam.findings if f.severity == "error"]
-
-
-def runtime_skipped(reason: str) -> Finding:
-    return Finding(
-        "runtime.skipped",
-        "warning",
-        f"the loaded-drafter and behaviour stages did not run: {reason}",
-        "the verdict rests on the pre-flight (headers only)",
-        "preflight",
-    )
-
-
 def settings_dict(options) -> dict:
     """A dataclass's own fields as JSON values (paths and choices as strings; nested options left out)."""
     values = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options)}
@@ -229,34 +193,3 @@ def placement_row(placement) -> dict:
         "has_head": placement.has_head,
         "has_drafter": placement.has_drafter,
     }
-
-
-class StageClock:
-    """Seconds spent in each stage of a check, recorded into the report."""
-
-    def __init__(self, timings: dict[str, float]):
-        self.timings, self.last = timings, time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.timings[stage] = round(now - self.last, 3)
-        self.last = now
-
-
-def repair_findings(repair) -> list[Finding]:
-    findings = [
-        Finding("repair", "info", f"filled {name} from {key}", stage="repair") for name, key in repair.repaired.items()
-    ]
-    shard = repair.tp_shard
-    if shard:
-        verdict = "matches the table, padding zero" if shard.ok else "WRONG rows or padding"
-        findings.append(
-            Finding(
-                "repair.tp_shard",
-                "info" if shard.ok else "error",
-                f"TP rank {shard.tp_rank}/{shard.tp_size}: rows {shard.rows} ({shard.real_rows} real, "
-                f"{shard.padded_rows} padded), {verdict}",
-                stage="repair",
-            )
-        )
-    return findings

@@ -1,0 +1,64 @@
+"""A model larger than the machine: the loaded-drafter stage on the drafter's rank alone, in this process.
+
+The rank is built as its engine builds it, but every tensor it loads straight from a checkpoint is a
+copy-on-write map of its shard (no copy in memory: the content check reads the sampled rows it compares, and
+the full statistics of the few tensors that get them); what a loading policy leaves unloaded, and what a
+repair reads, is real memory. Nothing runs through the pipeline, so neither the tap probe nor the battery
+runs, and the report says so: such a run is never called healthy (runtime.skipped, exit 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from specdoctor.report import CheckReport, StageResult
+from specdoctor.runtime.memory import MemoryPlan
+from specdoctor.runtime.options import Dtype
+from specdoctor.workflow.drafter import StageClock, repair_findings, stage_skipped
+
+NOT_RUN = {"battery": "not run", "lossless": [], "metrics": None, "proposals": None}
+FLOAT_DTYPES = {"F32": Dtype.FLOAT32, "BF16": Dtype.BFLOAT16, "F16": Dtype.FLOAT16}
+
+
+def stored_dtype(drafter, fallback: Dtype) -> Dtype:
+    """The dtype most of the drafter's tensors are stored in, so that they map without a conversion."""
+    stored = Counter(info.dtype for source in drafter.checkpoints for info in source.stored.values())
+    floats = [code for code, _ in stored.most_common() if code in FLOAT_DTYPES]
+    return FLOAT_DTYPES[floats[0]] if floats else fallback
+
+
+def run_drafter_rank_alone(report: CheckReport, options, checkpoint, drafter, plan: MemoryPlan) -> None:
+    """The before stage (and with --repair the repair and the after stage), without the behaviour stage."""
+    from specdoctor.checks.drafter import drafter_findings
+    from specdoctor.runtime.drafter.measure import measure_drafter
+    from specdoctor.runtime.drafter.repair import repair_drafter
+    from specdoctor.runtime.worker import build_rank
+
+    runtime = options.runtime
+    runtime = dataclasses.replace(runtime, tp=1, dtype=stored_dtype(drafter, runtime.dtype))
+    for source in drafter.checkpoints:
+        source.map_weights = True
+    clock = StageClock(report.timings)
+    model, _ = build_rank(runtime, runtime.pp - 1, checkpoint, drafter)
+    clock.lap("build_drafter_rank")
+    skipped = [("the behaviour stage (the battery)", f"it needs the whole model in memory: {plan.shortfall()}")]
+    if drafter.taps:
+        skipped.append(("the tap probe", "it needs the whole pipeline running"))
+
+    def stage(name: str, policy: str) -> StageResult:
+        state = measure_drafter(model)
+        findings, broken = drafter_findings(state, name)
+        findings += [stage_skipped(what, why, name) for what, why in skipped]
+        record = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
+        return StageResult(name, policy, findings, record, dict(NOT_RUN))
+
+    report.stages.append(stage("before", str(runtime.drafter_policy)))
+    clock.lap("before")
+    if options.repair:
+        report.repair = repair_drafter(model, report.stages[0].drafter["broken"], options.runtime.tp, options.tp_rank)
+        report.repair_findings = repair_findings(report.repair)
+        clock.lap("repair")
+        if report.repair.repaired:
+            report.stages.append(stage("after", "repaired"))
+            clock.lap("after")

@@ -1,0 +1,201 @@
+"""The repair (runtime/drafter/repair.py): vLLM's vocabulary shards, one TP rank's rows read from a
+checkpoint with its padding zero, the check of a repaired table against them, and repair_drafter filling
+a rank's unloaded drafter tensors from the checkpoint, one tensor read each.
+
+Oracles: vLLM's rule (VocabParallelEmbedding: pad the vocabulary to a multiple of 64, split it evenly,
+refuse when it does not divide) worked out by hand below, and the tensors as safetensors writes and
+reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.repair import check_vocab_shard, read_vocab_shard, repair_drafter, vocab_shard_range
+from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.worker import build_rank
+
+# Rows per TP rank, worked out by hand: padded = the vocabulary rounded up to a multiple of 64, then / TP.
+# 129,280 (DeepSeek-V3) = 2,020 x 64 and 151,936 (Qwen2/3) = 2,374 x 64 need no padding; 202,752 (GLM-4.5's
+# padded table) = 3,168 x 64 = 3 x 67,584; 50,257 (GPT-2) pads to 50,304 = 786 x 64 = 3 x 16,768. Those are
+# multiples of 128 too; 32,064 (Phi-3) = 501 x 64 is not (a multiple of 128 would pad it to 32,128).
+PER_RANK = {
+    (129_280, 1): 129_280,
+    (129_280, 2): 64_640,
+    (129_280, 4): 32_320,
+    (129_280, 8): 16_160,
+    (151_936, 1): 151_936,
+    (151_936, 2): 75_968,
+    (151_936, 4): 37_984,
+    (151_936, 8): 18_992,
+    (202_752, 1): 202_752,
+    (202_752, 2): 101_376,
+    (202_752, 3): 67_584,
+    (202_752, 4): 50_688,
+    (202_752, 8): 25_344,
+    (50_257, 1): 50_304,
+    (50_257, 2): 25_152,
+    (50_257, 3): 16_768,
+    (50_257, 8): 6_288,
+    (32_064, 1): 32_064,
+    (32_064, 2): 16_032,
+    (32_064, 3): 10_688,
+    (32_064, 4): 8_016,
+    (32_064, 8): 4_008,
+}
+# 129,280 / 3 and 151,936 / 3 or / 6 leave a remainder (2,020 and 2,374 are not multiples of 3); vLLM's
+# divide() asserts, so the padded table does not split.
+REFUSED = [(129_280, 3), (151_936, 3), (151_936, 6), (202_752, 5), (50_257, 5), (32_064, 5)]
+
+
+@pytest.mark.parametrize("vocab, tp", sorted(PER_RANK))
+def test_vocab_shard_ranges_follow_vllms_padding_and_even_split(vocab, tp):
+    size = PER_RANK[vocab, tp]
+    assert [vocab_shard_range(vocab, tp, rank) for rank in range(tp)] == [
+        (rank * size, (rank + 1) * size) for rank in range(tp)
+    ]
+
+
+@pytest.mark.parametrize("vocab, tp", REFUSED)
+def test_a_padded_vocabulary_that_does_not_split_is_refused(vocab, tp):
+    with pytest.raises(SpecdoctorError, match=f"does not split over {tp} tensor-parallel ranks"):
+        vocab_shard_range(vocab, tp, 0)
+
+
+VOCAB, HIDDEN, KEY = 150, 8, "model.embed_tokens.weight"  # 150 rows pad to 192 (3 x 64)
+
+
+@pytest.fixture
+def table_checkpoint(tmp_path) -> tuple[Checkpoint, torch.Tensor]:
+    """A checkpoint directory holding a [150, 8] bf16 embedding (and one other tensor), written by safetensors."""
+    config = json.loads((DEMO_MODELS["demo"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB, "hidden_size": HIDDEN}))
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(VOCAB, HIDDEN, generator=generator).to(torch.bfloat16)
+    other = torch.randn(3, HIDDEN, generator=generator).to(torch.bfloat16)
+    save_file({KEY: table, "model.norm.weight": other}, str(tmp_path / "model.safetensors"))
+    return Checkpoint(tmp_path), table
+
+
+# (TP, rank) -> (rows of the padded vocabulary, real rows, padding rows): 192 rows split evenly.
+SHARDS = {
+    (1, 0): ((0, 192), 150, 42),
+    (2, 0): ((0, 96), 96, 0),
+    (2, 1): ((96, 192), 54, 42),
+    (3, 2): ((128, 192), 22, 42),
+    (4, 3): ((144, 192), 6, 42),
+    (8, 6): ((144, 168), 6, 18),
+    (8, 7): ((168, 192), 0, 24),  # all padding
+}
+
+
+@pytest.mark.parametrize("tp, rank", sorted(SHARDS))
+def test_read_vocab_shard_gives_the_ranks_real_rows_then_zero_padding_reading_only_them(table_checkpoint, tp, rank):
+    checkpoint, table = table_checkpoint
+    (start, end), real, padding = SHARDS[tp, rank]
+    shard = read_vocab_shard(checkpoint, KEY, tp, rank)
+    assert shard.shape == (end - start, HIDDEN) and shard.dtype == torch.bfloat16
+    assert torch.equal(shard[:real], table[start : start + real])
+    assert torch.equal(shard[real:], torch.zeros(padding, HIDDEN, dtype=torch.bfloat16))
+    assert checkpoint.bytes_read == real * HIDDEN * 2  # only the rank's real rows were read (bf16)
+
+
+@pytest.mark.parametrize("tp, rank", sorted(SHARDS))
+def test_check_vocab_shard_passes_the_right_table(table_checkpoint, tp, rank):
+    checkpoint, table = table_checkpoint
+    (start, end), real, padding = SHARDS[tp, rank]
+    check = check_vocab_shard(checkpoint, KEY, table.float(), tp, rank)  # the runtime holds it in fp32
+    assert (check.tp_size, check.tp_rank, check.rows, check.real_rows, check.padded_rows) == (
+        tp,
+        rank,
+        [start, end],
+        real,
+        padding,
+    )
+    assert check.matches_table and check.padding_zero and check.ok
+
+
+def test_check_vocab_shard_reports_a_wrong_row_in_the_ranks_slice_and_only_there(table_checkpoint):
+    checkpoint, table = table_checkpoint
+    wrong = table.float().clone()
+    wrong[120] += 1.0  # a row of TP 2 rank 1's slice [96, 192)
+    inside = check_vocab_shard(checkpoint, KEY, wrong, 2, 1)
+    assert not inside.matches_table and not inside.ok
+    assert check_vocab_shard(checkpoint, KEY, wrong, 2, 0).ok  # rank 0's rows [0, 96) are all right
+    shifted = table.float().roll(1, dims=0)
+    assert not check_vocab_shard(checkpoint, KEY, shifted, 4, 0).ok
+    with pytest.raises(SpecdoctorError, match="does not split over 5"):
+        check_vocab_shard(checkpoint, KEY, table.float(), 5, 0)
+
+
+EMBEDDING, HEAD = "embed_tokens.weight", "layers.4.shared_head.head.weight"
+EMBEDDING_KEY, HEAD_KEY = "model.embed_tokens.weight", "model.layers.4.shared_head.head.weight"
+
+
+def stored(key: str) -> torch.Tensor:
+    """The demo checkpoint's tensor as safetensors reads it."""
+    root = DEMO_MODELS["demo"]
+    shard = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with safe_open(str(root / shard), "pt") as handle:
+        return handle.get_tensor(key)
+
+
+@pytest.fixture(scope="module")
+def legacy_rank():
+    """The demo's PP 2 drafter rank as an engine-legacy loader leaves it: the MTP layer's embedding (PP > 1)
+    and its own head left as allocated, filled with NaN."""
+    options = RuntimeOptions("demo", pp=2, drafter_policy="engine-legacy", head_policy="unloaded", fill="nan")
+    model, _ = build_rank(options, 1)
+    return model
+
+
+def test_repair_drafter_fills_the_unloaded_tensors_from_the_checkpoint_bit_for_bit(legacy_rank):
+    model = legacy_rank
+    assert model.provenance.sources[EMBEDDING] == model.provenance.sources[HEAD] == "unfilled:nan"
+    assert model.drafter.get_parameter(EMBEDDING).isnan().all() and model.drafter.get_parameter(HEAD).isnan().all()
+    before = sum(c.bytes_read for c in model.kind.checkpoints)
+
+    result = repair_drafter(model, [EMBEDDING, HEAD])
+
+    assert result.repaired == {EMBEDDING: EMBEDDING_KEY, HEAD: HEAD_KEY} and result.tp_shard is None
+    embedding, head = stored(EMBEDDING_KEY), stored(HEAD_KEY)
+    for name, tensor in ((EMBEDDING, embedding), (HEAD, head)):
+        live = model.drafter.get_parameter(name)
+        assert live.dtype == model.dtype and live.device == model.device
+        assert torch.equal(live, tensor.to(model.dtype))  # bf16 -> fp32 is exact: bit for bit
+        assert model.provenance.sources[name] == f"checkpoint:{result.repaired[name]}"
+    # One read of each tensor, nothing more: their sizes as stored (bf16).
+    sizes = embedding.numel() * embedding.element_size() + head.numel() * head.element_size()
+    assert result.bytes_read == sizes == sum(c.bytes_read for c in model.kind.checkpoints) - before
+    assert result.seconds >= 0
+
+
+def test_repair_drafter_under_tp_checks_the_ranks_vocab_shard(legacy_rank):
+    """Run after the first repair (one module): the embedding alone, TP 8 rank 5. The demo's 2,048 rows are
+    a multiple of 64, so rank 5 holds [1280, 1536), all real; the check reads those rows once more to
+    compare them with the repaired table."""
+    model = legacy_rank
+    embedding = stored(EMBEDDING_KEY)
+    with torch.no_grad():
+        model.drafter.get_parameter(EMBEDDING).fill_(float("nan"))  # as allocated again
+    result = repair_drafter(model, [EMBEDDING], tp_size=8, tp_rank=5)
+    assert result.repaired == {EMBEDDING: EMBEDDING_KEY}
+    assert torch.equal(model.drafter.get_parameter(EMBEDDING), embedding.to(model.dtype))
+    shard = result.tp_shard
+    assert (shard.tp_size, shard.tp_rank, shard.rows, shard.real_rows, shard.padded_rows) == (
+        8,
+        5,
+        [1280, 1536],
+        256,
+        0,
+    )
+    assert shard.matches_table and shard.padding_zero
+    row_bytes = embedding.shape[1] * embedding.element_size()
+    assert result.bytes_read == embedding.numel() * embedding.element_size() + 256 * row_bytes
