@@ -1,2 +1,3 @@
-"""The drafter: checkpoint-key rules (keys.py), loading policies (loading.py), what the live drafter
-holds (state.py) and its repair (repair.py)."""
+"""The drafter: one interface for every kind (kind.py), the kinds (mtp.py, dspark.py) and their registry
+(kinds.py), the loading-policy ladder they share (policy.py), what the live drafter holds (measure.py), its
+repair (repair.py), and where a drafter's taps travel under pipeline parallelism (taps.py)."""
