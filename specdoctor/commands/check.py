@@ -1,5 +1,5 @@
 """`specdoctor check` (and `repair`): the flags, and the rendering of the report the workflow
-(specdoctor/workflow.py) makes: pre-flight, loaded drafter, battery; with --repair, the same after it."""
+(specdoctor/workflow/) makes: pre-flight, loaded drafter, battery; with --repair, the same after it."""
 
 from __future__ import annotations
 

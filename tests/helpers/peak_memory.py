@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -48,15 +49,18 @@ def resident_bytes(pid: int) -> int:
 
 
 def run_measured(command: list[str], timeout_s: float, env: dict | None = None) -> Run:
-    """The command's exit code and output, its process tree's peak resident memory, and its wall time."""
+    """The command's exit code and output, its process tree's peak resident memory, and its wall time. The
+    output goes to files while it runs (a pipe nobody reads would fill and stop the command)."""
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak, deadline = 0, start + timeout_s
-    while process.poll() is None:
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError(f"{' '.join(command)} ran past {timeout_s} s")
-        peak = max(peak, sum(resident_bytes(pid) for pid in process_tree(process.pid)))
-        time.sleep(0.1)
-    stdout, stderr = process.communicate()
-    return Run(process.returncode, stdout, stderr, peak, time.monotonic() - start)
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+        peak, deadline = 0, start + timeout_s
+        while process.poll() is None:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"{' '.join(command)} ran past {timeout_s} s")
+            peak = max(peak, sum(resident_bytes(pid) for pid in process_tree(process.pid)))
+            time.sleep(0.1)
+        stdout.seek(0)
+        stderr.seek(0)
+        return Run(process.returncode, stdout.read(), stderr.read(), peak, time.monotonic() - start)
