@@ -42,7 +42,7 @@ def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
 def test_logits_match_transformers_at_every_position(hf_checkpoint, monkeypatch, expert_path):
     """Each way of running the routed experts: one batched matmul over gathered weights, every expert over
     every token, or a loop over the experts hit."""
-    layers = "specdoctor.runtime.models.layers"
+    layers = "specdoctor.runtime.models.moe"
     monkeypatch.setattr(f"{layers}.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0)
     monkeypatch.setattr(f"{layers}.EVERY_EXPERT_LIMIT_BYTES", 1 << 40 if expert_path == "every" else 0)
     assert logits_error(*hf_checkpoint, batch=4, length=23, seed=1) < 1e-4

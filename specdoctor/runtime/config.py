@@ -75,15 +75,16 @@ class RawConfig:
         return architectures[0] if architectures else None
 
 
-def common_fields(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> dict:
+def common_fields(raw: RawConfig, architecture: str, layout: MtpKeyLayout, all_moe: bool = False) -> dict:
     """The ModelConfig fields every runnable family reads the same way: sizes, the GLM-4.5 / DeepSeek-V3
     MoE router, the MTP layers, tying and EOS. Attention, rotary and the dense-layer count are the
-    family's own."""
+    family's own. `all_moe`: the family has no dense MLP (every layer is MoE, as in Qwen3.5-MoE), so its
+    config need not carry `intermediate_size` (transformers' Qwen3_5MoeTextConfig has none); 0 then."""
     return dict(
         architecture=architecture,
         vocab_size=raw.need("vocab_size"),
         hidden_size=raw.need("hidden_size"),
-        intermediate_size=raw.need("intermediate_size"),
+        intermediate_size=int(raw.get("intermediate_size") or 0) if all_moe else raw.need("intermediate_size"),
         num_hidden_layers=raw.need("num_hidden_layers"),
         attention_bias=bool(raw.get("attention_bias", False)),
         moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
@@ -132,6 +133,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mtp_keys: MtpKeyLayout = field(default_factory=MtpKeyLayout)
     rope_scaling: YarnScaling | None = None
+    # Where the checkpoint keeps the target's `model.*` tensors (layers, norm; the embedding has its own candidate
+    # keys): `model.`, or `model.language_model.` in a multimodal release whose config nests the text model.
+    decoder_prefix: str = "model."
     runtime_refusal: str | None = None  # why the runtime will not compute with a config it reads (registry)
 
     @property

@@ -74,12 +74,12 @@ def config(tied: bool) -> ModelConfig:
 
 
 def test_placement_owners():
-    ranks = placements(config(tied=False), 3)
+    ranks = placements(config(tied=False), 3, has_drafter=True)
     assert [r.has_embedding for r in ranks] == [True, False, False]
     assert [r.has_head for r in ranks] == [False, False, True]
     assert [r.has_drafter for r in ranks] == [False, False, True]
     # GLM-4.5 MoE's vLLM model ignores tie_word_embeddings: the embedding stays on the first rank only.
-    tied = placements(config(tied=True), 3)
+    tied = placements(config(tied=True), 3, has_drafter=True)
     assert [r.has_embedding for r in tied] == [True, False, False]
-    single = placements(config(tied=False), 1)[0]
+    single = placements(config(tied=False), 1, has_drafter=True)[0]
     assert single.has_embedding and single.has_head and single.has_drafter

@@ -1,5 +1,6 @@
 """The Qwen3-Next / Qwen3.5 hybrid family: `Qwen3NextForCausalLM`, `Qwen3_5MoeForCausalLM` and the dense
-`Qwen3_5ForCausalLM` (text models): config mapping, gated attention, the MoE and the `mtp.*` drafter layer.
+`Qwen3_5ForCausalLM` (text models), and the multimodal Qwen3.5 releases' text model: config mapping, gated
+attention, the MoE and the `mtp.*` drafter layer.
 
 Layers follow `layer_types` (or every `full_attention_interval`-th layer full attention): Gated DeltaNet
 linear attention (models/gated_deltanet.py), or gated full attention (q_proj yields each head's query
@@ -32,6 +33,16 @@ from specdoctor.runtime.models.rope import apply_rotary
 
 FUSED_PROJECTION = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": False}
 ARCHITECTURES = tuple(FUSED_PROJECTION)
+# The multimodal releases (vLLM: qwen3_5.py) nest this text model's config under `text_config` and its weights under
+# `model.language_model.` (registry.read_config reads both there); the vision tower is not read.
+TEXT_ARCHITECTURE = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+MULTIMODAL_ARCHITECTURES = tuple(TEXT_ARCHITECTURE)
+# Every layer MoE, no dense MLP: transformers' Qwen3_5MoeTextConfig has no `intermediate_size` (vLLM builds the
+# sparse block in every layer of a `qwen3_5_moe_text` model).
+ALL_MOE = "Qwen3_5MoeForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -85,16 +96,20 @@ def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> Hybr
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{raw.source}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
-    experts = int(raw.get("num_experts") or 0)
+    text = TEXT_ARCHITECTURE.get(architecture, architecture)
+    all_moe = text == ALL_MOE
+    experts = raw.need("num_experts") if all_moe else int(raw.get("num_experts") or 0)
+    if all_moe and experts <= 0:
+        raise CheckpointError(f"{raw.source}: num_experts must be positive: every Qwen3.5-MoE layer is MoE")
     # Qwen3.5-MoE makes every layer MoE and always renormalises the top-k weights.
-    qwen3_next = architecture == "Qwen3NextForCausalLM"
+    qwen3_next = text == "Qwen3NextForCausalLM"
     routing = dict(  # Qwen's names for the MoE fields; its shared expert is the family's own (HybridMoE)
         n_routed_experts=experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)) if experts else 1,
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if qwen3_next else True,
     )
     return HybridConfig(
-        **{**common_fields(raw, architecture, layout), **routing},
+        **{**common_fields(raw, architecture, layout, all_moe), **routing},
         num_attention_heads=heads,
         num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
         head_dim=head_dim,
@@ -109,7 +124,7 @@ def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> Hybr
         linear_key_head_dim=raw.need("linear_key_head_dim"),
         linear_value_head_dim=raw.need("linear_value_head_dim"),
         linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
-        fused_qkvz=FUSED_PROJECTION[architecture],
+        fused_qkvz=FUSED_PROJECTION[text],
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)) if qwen3_next else 1,
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()) if qwen3_next else (),
@@ -207,7 +222,7 @@ class DecoderLayer(DecoderBlock):
 
 class MtpLayer(DecoderLayer):
     """The `mtp.*` drafter as one module: `mtp.layers.N.*` (a full-attention block) and the parts vLLM holds
-    once beside its layers (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`; runtime/drafter/keys.py maps them).
+    once beside its layers (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`; runtime/drafter/mtp.py maps them).
     `shared_head.head` is the target's lm_head: the layout ships no own head."""
 
     def __init__(self, config: HybridConfig, layer_id: int):

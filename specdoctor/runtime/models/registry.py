@@ -38,11 +38,13 @@ FAMILIES = {
         architecture: ModelFamily(
             qwen3_next.read_config, qwen3_next.DecoderLayer, qwen3_next.MtpLayer, qwen3_next.OffsetRMSNorm
         )
-        for architecture in qwen3_next.ARCHITECTURES
+        for architecture in (*qwen3_next.ARCHITECTURES, *qwen3_next.MULTIMODAL_ARCHITECTURES)
     },
 }
 # config.json files without `architectures` are read as the first family's, as before.
 DEFAULT_ARCHITECTURE = glm4_moe.ARCHITECTURE
+# Where a multimodal release whose config nests the text model under `text_config` keeps that model's weights.
+NESTED_PREFIX = "model.language_model."
 
 
 def family_of(config: ModelConfig) -> ModelFamily:
@@ -63,19 +65,34 @@ def read_config(raw, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(
             f"{source}: architecture {architecture!r} is not supported: its MTP layout is unknown (known: {known})"
         )
-    if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: the language model's fields
-        fields = RawConfig(raw["text_config"], source)
+    nested = isinstance(raw.get("text_config"), dict)
+    if nested:  # a multimodal checkpoint: the language model's fields, over the top level's others
+        fields = RawConfig({**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}, source)
     layout = ARCHITECTURES[architecture].mtp
     if architecture not in FAMILIES:
         config = header_only_config(fields, architecture, layout)
     else:
         try:
+            if nested:
+                check_nested_tying(raw, source)
             config = FAMILIES[architecture].read_config(fields, architecture, layout)
         except CheckpointError as refusal:  # a setting the family does not run: the headers are still read
             config = header_only_config(fields, architecture, layout)
             config = replace(config, runtime_refusal=str(refusal).removeprefix(f"{source}: "))
+    if nested:
+        config = replace(config, decoder_prefix=NESTED_PREFIX)
     config.validate(source)
     return config
+
+
+def check_nested_tying(raw: dict, source: str) -> None:
+    """transformers ties a multimodal model's head by the top level's `tie_word_embeddings`; the text model read
+    alone ties by text_config's. A config whose two disagree names two different models: refused."""
+    top, text = raw.get("tie_word_embeddings"), raw["text_config"].get("tie_word_embeddings")
+    if top is not None and text is not None and bool(top) != bool(text):
+        raise CheckpointError(
+            f"{source}: tie_word_embeddings is {top} but text_config's is {text}: one ties the head, the other not"
+        )
 
 
 def header_only_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:
