@@ -10,10 +10,11 @@ into each head's key and value). The KV cache holds the normed latent and the ro
 the expanded keys: what MLA exists for. Rotary embedding is YaRN-scaled as configured and applied in
 DeepSeek's interleaved layout, as vLLM applies it. The MoE is the GLM-4.5 one (sigmoid group-limited
 router with `e_score_correction_bias`, shared experts, `first_k_dense_replace` dense layers). DSA: a
-lightweight indexer scores every cached token per query and attention keeps only the `index_topk`
-best (exact top-k, as transformers computes it; vLLM's GPU kernels score in FP8, so near-ties may
-select differently there); up to `index_topk` tokens of context it keeps them all.
-docs/engine-semantics.md §MLA and DSA records the engine facts and where vLLM and transformers differ.
+lightweight indexer (runtime/models/dsa.py) scores every cached token per query and attention keeps only
+the `index_topk` best, the same keys whatever the pass's shape (float64 scores, ties to the earlier
+position); up to `index_topk` tokens of context it keeps them all.
+docs/engine-semantics.md §MLA and DSA (and §DSA tie order) records the engine facts and where vLLM and
+transformers differ.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, YarnScaling, common_fields
 from specdoctor.runtime.models.attention import attention_span
 from specdoctor.runtime.models.blocks import DecoderBlock, DeepseekMtpLayer
+from specdoctor.runtime.models.dsa import DsaIndexer
 from specdoctor.runtime.models.layers import RMSNorm
-from specdoctor.runtime.models.rope import apply_rotary, apply_rotary_interleaved, yarn_mscale
+from specdoctor.runtime.models.rope import apply_rotary_interleaved, yarn_mscale
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # The rotary layout of each DSA architecture's indexer when the config does not name it with
@@ -162,40 +164,6 @@ def read_mla_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> 
         v_head_dim=int(raw.get("v_head_dim") or nope_dim),
         **dsa_fields(raw, architecture),
     )
-
-
-class DsaIndexer(nn.Module):
-    """DeepSeek Sparse Attention's indexer: which cached tokens each query attends to. Its score for key t
-    is sum over its heads h of weight[h] * relu(q[h] . k[t]) / sqrt(head_dim); the best `index_topk` win."""
-
-    def __init__(self, config: MlaConfig):
-        super().__init__()
-        self.config = config
-        self.wq_b = nn.Linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, config.index_head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(config.index_head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
-
-    def rotate(self, x: torch.Tensor, rotary) -> torch.Tensor:  # x: [B, T, heads, index_head_dim]
-        """Rotary embedding on the first qk_rope_head_dim features of each head, in this model's layout."""
-        if not self.config.indexer_rope_interleave:
-            return apply_rotary(x, *rotary)
-        rope = self.config.qk_rope_head_dim
-        return torch.cat([apply_rotary_interleaved(x[..., :rope], *rotary), x[..., rope:]], dim=-1)
-
-    def keys(self, x: torch.Tensor, rotary) -> torch.Tensor:  # [B, T, H] -> [B, T, 1, index_head_dim]
-        return self.rotate(self.k_norm(self.wk(x))[:, :, None], rotary)
-
-    def select(self, x, q_latent, rotary, keys, mask) -> torch.Tensor:
-        """The keys each query keeps, [B, 1, T, S] bool. x: [B, T, H]; q_latent: [B, T, q_lora_rank];
-        keys: [B, S, 1, index_head_dim]; mask: the causal mask [B, 1, T, S]."""
-        cfg = self.config
-        q = self.rotate(self.wq_b(q_latent).view(*x.shape[:2], cfg.index_n_heads, cfg.index_head_dim), rotary)
-        scores = torch.einsum("bthd,bsd->bths", q.float(), keys[:, :, 0].float()).relu() * cfg.index_head_dim**-0.5
-        weights = self.weights_proj(x).float() * cfg.index_n_heads**-0.5  # [B, T, heads]
-        index = torch.einsum("bth,bths->bts", weights, scores).masked_fill(~mask[:, 0], float("-inf"))
-        best = index.topk(min(cfg.index_topk, index.shape[-1]), dim=-1).indices
-        return torch.zeros_like(index, dtype=torch.bool).scatter(-1, best, True)[:, None]
 
 
 class MlaAttention(nn.Module):
