@@ -134,7 +134,7 @@ PIPELINE_PROMPTS = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7], [12, 13, 14, 15, 16,
 def plain_greedy(path, model) -> tuple[list[list[int]], torch.Tensor]:
     """(single-process greedy tokens for PIPELINE_PROMPTS, cut at the config's EOS as the engine stops there;
     the prompt logits). The configs keep transformers' default EOS."""
-    from tests.test_engine import reference
+    from tests.runtime.test_engine import reference
 
     greedy, logits = reference(path, PIPELINE_PROMPTS, 12)
     eos = model.config.eos_token_id

@@ -27,7 +27,7 @@ def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDra
 def mtp_step_error(path, model, reference, first_position: int) -> tuple[float, Provenance]:
     """(relative error of one MTP step of the runtime's drafter against `reference(path, tokens, prev_hidden,
     positions)` on random inputs from `first_position`, the drafter's provenance)."""
-    from tests.test_model_parity import relative_error
+    from tests.oracles.test_model_parity import relative_error
 
     _, drafter, provenance = load_target_and_drafter(Checkpoint(path))
     generator = torch.Generator().manual_seed(7)

@@ -5,7 +5,7 @@ so every tensor has its real name, shape and byte range and reads as zeros where
 The config is DeepSeek-V3's as the hub ships it (less its FP8 quantization_config: these weights are bf16).
 The tensor names are the hub's (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), listed from the
 runtime's modules built on the meta device, which load transformers-saved checkpoints by the same keys
-(tests/test_families_mla.py). This variant leaves out the MTP layer's own copy of the embedding, as
+(tests/oracles/test_families_mla.py). This variant leaves out the MTP layer's own copy of the embedding, as
 re-exports that drop duplicated tensors do, so an engine that skips embedding sharing at PP > 1 leaves the
 drafter's embedding unloaded. Data is written for the embedding, the head, and the MTP layer's tensors other
 than its routed experts (which stay zeros, 22.5 GB that the content check only samples).

@@ -30,7 +30,7 @@ from tests.commands.test_check import specdoctor
 from tests.conftest import randomize
 from tests.helpers.dspark import make_drafter
 from tests.helpers.families import mtp_tensors, saved_tensors
-from tests.test_model_parity import relative_error
+from tests.oracles.test_model_parity import relative_error
 
 SIZES = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
 GQA = {**SIZES, "num_key_value_heads": 2}

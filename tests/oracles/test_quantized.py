@@ -17,9 +17,9 @@ from tests.commands.test_cli import rename_key, specdoctor
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.families import make_family_checkpoint
 from tests.helpers.tool_env import ROOT, PeerUnavailable
+from tests.oracles.test_model_parity import full_stage, relative_error
 from tests.quant.fp8_checkpoint import dequantised_model, write_fp8_checkpoint
 from tests.quant.quant_env import QUANT
-from tests.test_model_parity import full_stage, relative_error
 
 pytestmark = pytest.mark.timeout(600)
 TOOL_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools' interpreter imports the repository's scripts

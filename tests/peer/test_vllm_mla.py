@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.families import make_family_checkpoint
+from tests.oracles.test_families_mla import YARN
 from tests.peer.conftest import K
-from tests.test_families_mla import YARN
 
 pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 32

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specdoctor.runtime.models.deepseek_v3 import ARCHITECTURES, INDEXER_ROPE_INTERLEAVED
-from specdoctor.workflow import run_check
+from specdoctor.workflow.check import run_check
+from tests.commands.test_check import check_options, specdoctor
 from tests.helpers.families import (
     SHIPS_OWN_COPIES,
     assert_pipeline_matches_single_process,
@@ -20,8 +21,7 @@ from tests.helpers.families import (
     make_family_checkpoint,
 )
 from tests.helpers.loading import mtp_step_error
-from tests.test_check import check_options, specdoctor
-from tests.test_model_parity import assert_matches_transformers, logits_error
+from tests.oracles.test_model_parity import assert_matches_transformers, logits_error
 
 DSA_TOPK = 6  # fewer tokens than the test contexts hold, so the indexer's choice decides the output
 

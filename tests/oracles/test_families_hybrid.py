@@ -17,7 +17,8 @@ from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
-from specdoctor.workflow import run_check
+from specdoctor.workflow.check import run_check
+from tests.commands.test_check import check_options
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,
     checkpoints_by_architecture,
@@ -26,8 +27,7 @@ from tests.helpers.families import (
 )
 from tests.helpers.loading import mtp_step_error
 from tests.helpers.reference_decoder import greedy_generate
-from tests.test_check import check_options
-from tests.test_model_parity import assert_matches_transformers, full_stage, logits_error, relative_error
+from tests.oracles.test_model_parity import assert_matches_transformers, full_stage, logits_error, relative_error
 
 
 @pytest.fixture(scope="module")

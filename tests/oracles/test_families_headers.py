@@ -11,9 +11,9 @@ import pytest
 
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.models.registry import FAMILIES as RUNTIME_FAMILIES
+from tests.commands.test_check import specdoctor
+from tests.commands.test_cli import rename_key
 from tests.helpers.families import FAMILIES, SHIPS_OWN_COPIES, make_family_checkpoint
-from tests.test_check import specdoctor
-from tests.test_cli import rename_key
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,13 @@ def test_inspect_describes_the_mtp_layer_placement_and_hazards(family_dirs, arch
 def test_check_runs_the_preflight_and_says_why_the_runtime_stages_are_skipped(family_dirs, architecture):
     result = specdoctor("check", "--model", str(family_dirs[architecture]), "--pp", "2", "--json", "-")
     report = json.loads(result.stdout)
-    assert result.returncode == report["verdict"]["exit_code"] == 0, result.stdout
-    assert report["stages"] == []
+    # What was not run was not verified: never healthy, never exit 0.
+    assert result.returncode == report["verdict"]["exit_code"] == 1, result.stdout
+    assert report["stages"] == [] and not report["verdict"]["healthy"]
     skipped = [f for f in report["preflight"] if f["check"] == "runtime.skipped"]
-    assert skipped and f"does not run {architecture}" in skipped[0]["message"]
+    assert [f["severity"] for f in skipped] == ["error"] and f"does not run {architecture}" in skipped[0]["message"]
+    summary = report["verdict"]["summary"]
+    assert summary.startswith("not verified: checked pre-flight; not run: the loaded-drafter and behaviour stages: ")
 
 
 def test_a_missing_mtp_tensor_of_another_layout_is_a_preflight_error(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.families import SMALL, assert_pipeline_matches_single_process
-from tests.test_model_parity import assert_matches_transformers
+from tests.oracles.test_model_parity import assert_matches_transformers
 
 
 def make_qwen3_checkpoint(path, seed: int = 0, **overrides):
