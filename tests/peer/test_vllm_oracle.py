@@ -130,7 +130,7 @@ def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
         layers, *rest = (int(item) for item in key.split(","))
         partition, entries = ",".join(map(str, rest[: len(received)])), tuple(rest[len(received) :])
         config = read_config({**json.loads((DEMO_DIR / "config.json").read_text()), "num_hidden_layers": layers})
-        ranks = placements(config, len(received), partition, block_drafter=True)
+        ranks = placements(config, len(received), partition, has_drafter=True)
         for placement in ranks:
             route = tap_route(entries, TapPolicy.FIXED, placement, [r.layers for r in ranks])
             assert route.received == received[placement.rank], (key, placement.rank)
