@@ -29,8 +29,7 @@ from specdoctor.runtime.decode.requests import (
     validate_speculative_tokens,
 )
 from specdoctor.runtime.decode.sampling import SamplingParams
-from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS
-from specdoctor.runtime.drafter.kinds import open_drafter
+from specdoctor.runtime.drafter.kinds import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.launch import free_port, process_state, rank_context
@@ -60,14 +59,11 @@ class Engine:
         self.placements = placements(self.config, options.pp, options.pp_partition, has_drafter=self.speculates)
         # Ranks open the resolved directories ("demo" and Hugging Face ids resolved once, here).
         drafter_path = self.drafter.path if self.drafter else None
-        k = options.num_speculative_tokens
-        if k is None:
-            k = self.drafter.default_speculative_tokens() if self.drafter else DEFAULT_SPECULATIVE_TOKENS
         self.options = dataclasses.replace(
             options,
             model=str(self.checkpoint.path),
             speculative_model=str(drafter_path) if drafter_path else None,
-            num_speculative_tokens=k,
+            num_speculative_tokens=speculative_tokens(self.drafter, options.num_speculative_tokens),
         )
         self.eos_token_ids = model_eos_token_ids(self.checkpoint.path, self.config.eos_token_ids, options.tokenizer)
         # A rank that stops (SIGSTOP, a debugger) between gloo calls is only noticed by its peers'

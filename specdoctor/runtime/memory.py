@@ -9,6 +9,7 @@ ranks allocate, for every family and drafter kind, and costs no memory itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -160,6 +161,4 @@ def meminfo_available() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -15,7 +15,7 @@ from collections import Counter
 from specdoctor.report import CheckReport, StageResult
 from specdoctor.runtime.memory import MemoryPlan
 from specdoctor.runtime.options import Dtype
-from specdoctor.workflow.drafter import StageClock, repair_findings, stage_skipped
+from specdoctor.workflow.drafter import StageClock, exam_of, repair_findings, stage_skipped
 
 NOT_RUN = {"battery": "not run", "lossless": [], "metrics": None, "proposals": None}
 FLOAT_DTYPES = {"F32": Dtype.FLOAT32, "BF16": Dtype.BFLOAT16, "F16": Dtype.FLOAT16}
@@ -30,7 +30,6 @@ def stored_dtype(drafter, fallback: Dtype) -> Dtype:
 
 def run_drafter_rank_alone(report: CheckReport, options, checkpoint, drafter, plan: MemoryPlan) -> None:
     """The before stage (and with --repair the repair and the after stage), without the behaviour stage."""
-    from specdoctor.checks.drafter import drafter_findings
     from specdoctor.runtime.drafter.measure import measure_drafter
     from specdoctor.runtime.drafter.repair import repair_drafter
     from specdoctor.runtime.worker import build_rank
@@ -47,11 +46,9 @@ def run_drafter_rank_alone(report: CheckReport, options, checkpoint, drafter, pl
         skipped.append(("the tap probe", "it needs the whole pipeline running"))
 
     def stage(name: str, policy: str) -> StageResult:
-        state = measure_drafter(model)
-        findings, broken = drafter_findings(state, name)
-        findings += [stage_skipped(what, why, name) for what, why in skipped]
-        record = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
-        return StageResult(name, policy, findings, record, dict(NOT_RUN))
+        exam = exam_of(measure_drafter(model), name)
+        findings = exam.findings + [stage_skipped(what, why, name) for what, why in skipped]
+        return StageResult(name, policy, findings, exam.record, dict(NOT_RUN))
 
     report.stages.append(stage("before", str(runtime.drafter_policy)))
     clock.lap("before")

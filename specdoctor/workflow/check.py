@@ -55,8 +55,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     from specdoctor.battery import battery_prompts
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
-    from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
     from specdoctor.runtime.drafter.repair import vocab_shard_range
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
@@ -65,9 +64,8 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     runtime = options.runtime
     checkpoint = Checkpoint(runtime.model)
     drafter = drafter_kind(checkpoint, runtime.model, runtime.speculative_model)
-    if runtime.num_speculative_tokens is None:
-        k = drafter.default_speculative_tokens() if drafter else DEFAULT_SPECULATIVE_TOKENS
-        runtime = dataclasses.replace(runtime, num_speculative_tokens=k)
+    k = speculative_tokens(drafter, runtime.num_speculative_tokens)
+    runtime = dataclasses.replace(runtime, num_speculative_tokens=k)
     options = dataclasses.replace(options, runtime=runtime)
     options.validate()
     vocab_shard_range(checkpoint.config.vocab_size, runtime.tp, options.tp_rank)  # a TP size vLLM refuses

@@ -26,17 +26,23 @@ class DrafterExam:
 def examine_drafter(engine, stage: str, tap_prompt: list[int]) -> DrafterExam:
     """Measure the live drafter on its rank against the checkpoint; where it reads the target's taps, probe
     which layer each really holds (`tap_prompt` through the pipeline once)."""
-    from specdoctor.checks.drafter import drafter_findings
     from specdoctor.checks.taps import tap_findings
 
-    state = engine.measure_drafter()
-    findings, broken = drafter_findings(state, stage)
-    record = {"tensors": state.tensors, "provenance": state.provenance, "broken": broken}
+    exam = exam_of(engine.measure_drafter(), stage)
     if engine.drafter.taps:
         readings = engine.probe_taps(tap_prompt)
-        findings += tap_findings(readings, stage)
-        record["taps"] = [dataclasses.asdict(reading) for reading in readings]
-    return DrafterExam(findings, broken, record)
+        exam.findings += tap_findings(readings, stage)
+        exam.record["taps"] = [dataclasses.asdict(reading) for reading in readings]
+    return exam
+
+
+def exam_of(state, stage: str) -> DrafterExam:
+    """The findings about a measured drafter (runtime/drafter/measure.py), what a repair can refill, and the
+    report's record of it."""
+    from specdoctor.checks.drafter import drafter_findings
+
+    findings, broken = drafter_findings(state, stage)
+    return DrafterExam(findings, broken, {"tensors": state.tensors, "provenance": state.provenance, "broken": broken})
 
 
 def preflight_findings(checkpoint, ranks, drafter) -> list[Finding]:

@@ -14,6 +14,7 @@ than its routed experts (which stay zeros, 22.5 GB that the content check only s
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def write_sparse_checkpoint(path: Path, config: dict, seed: int = 0) -> dict[str
     shards: list[list[str]] = [[]]
     size = 0
     for key in sorted(shapes, key=layer_order):
-        nbytes = 2 * numel(shapes[key])
+        nbytes = 2 * math.prod(shapes[key])
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -117,7 +118,7 @@ def write_sparse_checkpoint(path: Path, config: dict, seed: int = 0) -> dict[str
         name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key in keys:
-            nbytes = 2 * numel(shapes[key])
+            nbytes = 2 * math.prod(shapes[key])
             header[key] = {"dtype": "BF16", "shape": list(shapes[key]), "data_offsets": [offset, offset + nbytes]}
             weight_map[key] = name
             offset += nbytes
@@ -145,7 +146,7 @@ def write_sparse_checkpoint(path: Path, config: dict, seed: int = 0) -> dict[str
 def random_rows(shape: tuple[int, ...], norm: bool, seed: int, chunk_elements: int = 1 << 24):
     """A tensor's bf16 values, chunk by chunk along its rows: weights ~ N(0, 0.02), norm weights ~ 1 + N(0, 0.02)."""
     generator = torch.Generator().manual_seed(seed)
-    rows, width = shape[0], numel(shape[1:])
+    rows, width = shape[0], math.prod(shape[1:])
     step = max(1, chunk_elements // max(width, 1))
     for start in range(0, rows, step):
         values = torch.randn(min(step, rows - start), width, generator=generator).mul_(0.02)
@@ -162,10 +163,3 @@ def layer_order(key: str) -> tuple[int, str]:
     parts = key.split(".")
     layer = int(parts[2]) if key.startswith("model.layers.") else (-1 if "embed" in key else 10**6)
     return layer, key
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

@@ -6,7 +6,7 @@ from __future__ import annotations
 from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS, resolve_model_path
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.dspark import DrafterCheckpoint, DSparkKind
-from specdoctor.runtime.drafter.kind import DrafterKind
+from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, DrafterKind
 from specdoctor.runtime.drafter.mtp import MtpKind
 
 
@@ -31,6 +31,13 @@ def drafter_kind(target: Checkpoint, model: str, speculative_model: str | None) 
     if target.config.num_nextn_predict_layers:
         return MtpKind(target)
     return None
+
+
+def speculative_tokens(drafter: DrafterKind | None, asked: int | None) -> int:
+    """The draft tokens a step takes: what the user asked for, else the drafter kind's default."""
+    if asked is not None:
+        return asked
+    return drafter.default_speculative_tokens() if drafter else DEFAULT_SPECULATIVE_TOKENS
 
 
 def open_drafter(target: Checkpoint, model: str, speculative_model: str | None) -> DrafterKind | None:
