@@ -1,14 +1,16 @@
 """The memory plan, made before any rank starts: the bytes each rank will hold against the memory it can
 have, so a model larger than the machine is diagnosed as far as it fits instead of killed by the OOM killer.
 
-A rank holds its tensors in the compute dtype (quantised weights dequantised), the KV cache of a battery run
-and a workspace; on the CPU every rank shares the host's RAM, on CUDA each rank has its GPU's free memory.
-Each rank's tensors are counted from its modules built on the meta device, so the plan is exactly what the
-ranks allocate, for every family and drafter kind, and costs no memory itself.
+A rank holds its tensors in the compute dtype (quantised weights packed as stored, or dequantised), the KV
+cache of a battery run and a workspace; on the CPU every rank shares the host's RAM, on CUDA each rank has
+its GPU's free memory. Each rank's tensors are counted from its modules built on the meta device and the
+packed weights' headers, so the plan is exactly what the ranks allocate, for every family and drafter kind,
+and costs no memory itself.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,11 +18,11 @@ from pathlib import Path
 import torch
 
 from specdoctor.runtime.cache.kv_cache import new_cache
-from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import Device, RuntimeOptions
+from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions
 from specdoctor.runtime.partition import Placement
 
 # An idle rank with torch and the runtime imported (220 MiB measured on x86_64, torch 2.13.0+cpu), with room.
@@ -31,7 +33,7 @@ LOGIT_COPIES = 4  # logits, probabilities and their float32 copies alive at once
 @dataclass
 class RankMemory:
     rank: int
-    weights: int  # its tensors in the compute dtype
+    weights: int  # its tensors as held: the compute dtype, quantised weights packed unless dequantised
     kv_cache: int
     workspace: int  # activations, the logits of a verify pass, and the process itself
 
@@ -92,9 +94,12 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
-def rank_weights(config: ModelConfig, placement: Placement, drafter: DrafterKind | None, dtype: torch.dtype) -> int:
+def rank_weights(
+    checkpoint: Checkpoint, placement: Placement, drafter: DrafterKind | None, options: RuntimeOptions
+) -> int:
     """Bytes of the tensors a rank allocates: its stage, and the drafter on the drafter's rank. Layers of one
     kind (dense or MoE, full or linear attention) are the same size, so each kind is built once."""
+    config, dtype = checkpoint.config, options.dtype.torch()
     family, sizes = family_of(config), {}
     with torch.device("meta"):
         total = module_bytes(TargetStage(config, range(0), placement.has_embedding, placement.has_head).to(dtype))
@@ -105,11 +110,24 @@ def rank_weights(config: ModelConfig, placement: Placement, drafter: DrafterKind
             total += sizes[kind]
         if placement.has_drafter and drafter is not None:
             total += module_bytes(drafter.module().to(dtype))
+    if options.quantized_weights == QuantizedWeights.PACKED:
+        total -= packing_saving(checkpoint, placement.layers, dtype)
     return total
 
 
+def packing_saving(checkpoint: Checkpoint, layers: range, dtype: torch.dtype) -> int:
+    """Bytes the layers' quantised weights save held packed (runtime/models/packed.py) instead of dequantised."""
+    prefix, saving = f"{checkpoint.config.decoder_prefix}layers.", 0
+    for key, weight in checkpoint.quantized.items():
+        layer = key.removeprefix(prefix).partition(".")[0] if key.startswith(prefix) else ""
+        if layer.isdigit() and int(layer) in layers:
+            packed = sum(checkpoint.stored[part].nbytes for part in weight.parts.values())
+            saving += math.prod(weight.shape) * dtype.itemsize - packed
+    return saving
+
+
 def plan_memory(
-    config: ModelConfig,
+    checkpoint: Checkpoint,
     ranks: list[Placement],
     drafter: DrafterKind | None,
     options: RuntimeOptions,
@@ -119,7 +137,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan for a run of `batch` sequences of up to `max_len` positions (the battery's), within `limit`
     bytes where given (else what the machine has available)."""
-    dtype, k = options.dtype.torch(), options.num_speculative_tokens or 0
+    config, dtype, k = checkpoint.config, options.dtype.torch(), options.num_speculative_tokens or 0
     logits = batch * (k + 1) * config.vocab_size * 4 * LOGIT_COPIES
     activations = batch * max_len * config.hidden_size * dtype.itemsize * 8
     plans = []
@@ -127,7 +145,7 @@ def plan_memory(
         cache = new_cache(config, list(placement.layers), batch, max_len, dtype, "meta")
         kv = sum(t.numel() * t.element_size() for entries in cache.entries.values() for t in entries)
         workspace = PROCESS_BYTES + activations + (logits if placement.is_last else 0)
-        plans.append(RankMemory(placement.rank, rank_weights(config, placement, drafter, dtype), kv, workspace))
+        plans.append(RankMemory(placement.rank, rank_weights(checkpoint, placement, drafter, options), kv, workspace))
     if options.device == Device.CUDA and torch.cuda.is_available():
         count = torch.cuda.device_count()
         free = [torch.cuda.mem_get_info(rank % count)[0] for rank in range(len(ranks))]

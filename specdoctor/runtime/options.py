@@ -54,6 +54,13 @@ class TapPolicy(Choice):
     OFF_BY_ONE = "off-by-one"  # target_layer_ids taken as capture points without vLLM's + 1: one layer early
 
 
+class QuantizedWeights(Choice):
+    """How quantised weights are held (docs/quantization.md §Memory)."""
+
+    PACKED = "packed"  # as stored, through the quantised GEMMs: the memory engines use
+    DEQUANTIZED = "dequantized"  # dequantised once at load, into the compute dtype (for comparison)
+
+
 class MarkovPolicy(Choice):
     """How a DSpark drafter's Markov head (`markov_head.markov_w1`, `markov_w2`) is loaded."""
 
@@ -155,6 +162,11 @@ class RuntimeOptions:
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
+    quantized_weights: QuantizedWeights = option(
+        QuantizedWeights.PACKED,
+        "--quantized-weights",
+        help="Quantised checkpoints: keep weights packed and run the quantised GEMMs, or dequantise them at load.",
+    )
     compile: bool = option(
         False,
         "--compile",

@@ -27,7 +27,7 @@ from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
-from specdoctor.runtime.options import Device, RuntimeOptions, StateRollback
+from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
 
@@ -66,7 +66,10 @@ def build_rank(
         kind.require_runnable()
     ranks = placements(checkpoint.config, options.pp, options.pp_partition, has_drafter=kind is not None)
     placement = ranks[rank]
-    stage = load_target_stage(checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device)
+    packed = options.quantized_weights == QuantizedWeights.PACKED
+    stage = load_target_stage(
+        checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device, packed
+    )
     route = None
     if kind and kind.taps:  # the taps this rank captures and moves on (runtime/drafter/taps.py)
         route = tap_route(kind.taps, options.tap_policy, placement, [r.layers for r in ranks])

@@ -83,7 +83,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     if fallback:
         report.preflight.append(Finding("behaviour.battery", "warning", fallback, stage="preflight"))
     length = battery_length(prompts, options)
-    plan = plan_memory(checkpoint.config, ranks, drafter, runtime, len(prompts), length, options.memory_limit)
+    plan = plan_memory(checkpoint, ranks, drafter, runtime, len(prompts), length, options.memory_limit)
     report.memory = plan.to_dict()
     try:
         if plan.fits:

@@ -165,6 +165,32 @@ def test_runtime_and_checks_run_on_the_triton_kernels(monkeypatch):
         assert results["triton"][2][field] == pytest.approx(value, rel=1e-4), field
 
 
+@pytest.mark.slow  # the interpreter runs every quantised linear of the demo: half a minute
+def test_packed_weights_run_on_the_w4a16_kernel(monkeypatch):
+    """demo-w4a16 with its weights packed: forced to Triton (interpreted), every quantised linear goes through
+    the W4A16 kernel and the speculative step gives the torch path's tokens and acceptance."""
+    from specdoctor.runtime.decode.batch import decode_batch
+    from specdoctor.runtime.decode.requests import GenerateRequest
+    from specdoctor.runtime.models.packed import PackedLinear
+    from specdoctor.runtime.options import RuntimeOptions
+    from specdoctor.runtime.worker import load_rank
+
+    model, _ = load_rank(RuntimeOptions("demo-w4a16"), 0)
+    request = GenerateRequest([[5, 6, 7, 8]], 3, num_speculative_tokens=2)
+    calls = []
+    kernel = triton_quant.w4a16_matmul
+    monkeypatch.setattr(triton_quant, "w4a16_matmul", lambda *args: calls.append(args[4]) or kernel(*args))
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SPECDOCTOR_KERNELS", backend)
+        result = decode_batch(model, request)
+        results[backend] = (result.tokens, result.metrics)
+    model.comm.close()
+    assert results["torch"] == results["triton"]
+    packed = [module for module in model.stage.modules() if isinstance(module, PackedLinear)]
+    assert len(calls) >= len(packed) > 0 and set(calls) == {64}  # every one, at the demo's group size
+
+
 def random_words(shape, generator) -> torch.Tensor:
     """int32 words with every 4-bit field random (the whole code space, signs included)."""
     return torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64).to(torch.int32)

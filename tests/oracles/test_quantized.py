@@ -1,5 +1,6 @@
 """Quantised checkpoints written by the formats' own tools: the runtime's logits at every position equal
-the same tool's dequantised model (fp32), for GLM-4.5 and an MLA family (DeepSeek-V3)."""
+the same tool's dequantised model (fp32), for GLM-4.5 and an MLA family (DeepSeek-V3), with the weights held
+packed (the quantised GEMMs) and dequantised at load."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 import torch
 
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
+from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.models.packed import PackedLinear
 from tests.commands.test_cli import rename_key, specdoctor
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.families import make_family_checkpoint
 from tests.helpers.tool_env import ROOT, PeerUnavailable
-from tests.oracles.test_model_parity import full_stage, relative_error
+from tests.oracles.test_model_parity import relative_error
 from tests.quant.fp8_checkpoint import dequantised_model, write_fp8_checkpoint
 from tests.quant.quant_env import QUANT
 
@@ -58,10 +61,19 @@ def tool_quantize(quant_python, form: str, float_dir, out) -> torch.Tensor:
     return torch.load(json.loads(line.removeprefix("RESULT "))["logits"])
 
 
-def runtime_logits(path) -> torch.Tensor:
-    stage = full_stage(path)
+def runtime_logits(path, packed: bool) -> torch.Tensor:
+    """The runtime's logits with the weights held packed (the quantised GEMMs) or dequantised at load."""
+    stage = load_full_target(Checkpoint(path), packed=packed)
+    assert any(isinstance(module, PackedLinear) for module in stage.modules()) == packed
     with torch.no_grad():
         return stage.logits(stage(IDS, torch.arange(IDS.shape[1]).expand(IDS.shape[0], -1)))
+
+
+def assert_both_paths_equal(path, expected: torch.Tensor) -> None:
+    for packed in (True, False):
+        ours = runtime_logits(path, packed)
+        assert relative_error(ours, expected) < 1e-4, packed
+        assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4, packed
 
 
 @pytest.mark.parametrize("form", ["w4a16", "w4a16-asym", "awq"])
@@ -70,9 +82,7 @@ def test_w4a16_logits_equal_the_tools_dequantised_model(quant_python, float_chec
     expected = tool_quantize(quant_python, form, float_checkpoint, out)
     checkpoint = Checkpoint(out)
     assert checkpoint.quantized and not checkpoint.quantization_problems
-    ours = runtime_logits(out)
-    assert relative_error(ours, expected) < 1e-4
-    assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4
+    assert_both_paths_equal(out, expected)
 
 
 def test_fp8_block_logits_equal_transformers_dequantised_model(float_checkpoint, tmp_path):
@@ -81,9 +91,7 @@ def test_fp8_block_logits_equal_transformers_dequantised_model(float_checkpoint,
     assert any(info.dtype == "F8_E4M3" for info in Checkpoint(out).stored.values())
     with torch.no_grad():
         expected = dequantised_model(out)(IDS).logits
-    ours = runtime_logits(out)
-    assert relative_error(ours, expected) < 1e-4
-    assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4
+    assert_both_paths_equal(out, expected)
 
 
 def test_shipped_w4a16_demo_is_what_llm_compressor_writes(quant_python, tmp_path):

@@ -27,7 +27,7 @@ def test_each_ranks_weights_are_its_checkpoint_tensors_in_the_compute_dtype():
     checkpoint = Checkpoint("demo")
     config, tensors = checkpoint.config, checkpoint.tensors
     ranks = placements(config, 2, has_drafter=True)
-    plan = plan_memory(config, ranks, drafter_kind(checkpoint, "demo", None), RuntimeOptions("demo", pp=2), 9, 64)
+    plan = plan_memory(checkpoint, ranks, drafter_kind(checkpoint, "demo", None), RuntimeOptions("demo", pp=2), 9, 64)
 
     def stored(keys) -> int:
         return sum(tensors[key].nbytes * FLOAT32_PER_STORED[tensors[key].dtype] for key in keys)
@@ -45,7 +45,7 @@ def test_a_limit_below_what_the_ranks_need_is_a_shortfall_named_in_one_line():
     checkpoint = Checkpoint("demo")
     ranks = placements(checkpoint.config, 4, has_drafter=True)
     options = RuntimeOptions("demo", pp=4, num_speculative_tokens=3)
-    plan = plan_memory(checkpoint.config, ranks, drafter_kind(checkpoint, "demo", None), options, 9, 64, 200 << 20)
+    plan = plan_memory(checkpoint, ranks, drafter_kind(checkpoint, "demo", None), options, 9, 64, 200 << 20)
     assert not plan.fits and plan.limited and plan.available == [200 << 20]
     assert plan.shortfall() == f"the 4 rank(s) need {plan.needed / 1e9:.2f} GB of host RAM; the limit is 200 MiB"
     assert plan.needed == sum(rank.weights + rank.kv_cache + rank.workspace for rank in plan.ranks)

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 from specdoctor.errors import CheckpointError
+from specdoctor.runtime.checkpoint.files import TORCH_DTYPES
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.models.stage import TargetStage
+
+DECODER_LAYERS = "model.layers."  # the target's decoder layers: where quantised linears live
 
 
 @dataclass
@@ -25,28 +29,55 @@ class LoadResult:
 
 
 def load_module(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[str], str | None]) -> LoadResult:
-    """Copy each parameter/persistent buffer from the checkpoint key `key_for(name)`; None skips it."""
+    """Copy each parameter/persistent buffer from the checkpoint key `key_for(name)`; None skips it. The parts
+    of a packed linear are read as stored, any other quantised weight dequantised."""
     result = LoadResult()
+    packed_parts = {
+        f"{owner}.{part}" for owner, linear in module.named_modules() if isinstance(linear, PackedLinear)
+        for part in linear._buffers
+    }  # fmt: skip
     for name, target in module.state_dict(keep_vars=True).items():
         key = key_for(name)
         if key is None:
             continue
-        if key not in checkpoint.tensors:
+        stored = name in packed_parts
+        info = (checkpoint.stored if stored else checkpoint.tensors).get(key)
+        if info is None:
             result.missing[name] = key
             continue
-        shape = checkpoint.tensors[key].shape
-        if tuple(shape) != tuple(target.shape):
+        if tuple(info.shape) != tuple(target.shape):
             raise CheckpointError(
-                f"{checkpoint.path}: tensor {key!r} has shape {tuple(shape)}, the model expects {tuple(target.shape)}"
+                f"{checkpoint.path}: tensor {key!r} has shape {tuple(info.shape)}, the model expects "
+                f"{tuple(target.shape)}"
             )
+        read = checkpoint.read_stored if stored else checkpoint.read
         with torch.no_grad():
             if target.is_meta:  # allocated lazily: the tensor gets its storage now, a map of its shard where it can
-                mapped = checkpoint.mapped(key, target.dtype) if checkpoint.map_weights else None
-                replace_tensor(module, name, checkpoint.read(key).to(target.dtype) if mapped is None else mapped)
+                mapped = checkpoint.mapped(key, target.dtype, stored) if checkpoint.map_weights else None
+                replace_tensor(module, name, read(key).to(target.dtype) if mapped is None else mapped)
             else:
-                checkpoint.read(key, out=target)
+                read(key, out=target)
         result.filled.add(name)
     return result
+
+
+def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[str], str | None]) -> None:
+    """Put a PackedLinear in place of each decoder layer's linear whose weight the checkpoint stores quantised.
+    The embedding and the heads stay floating point: the drafter's loading reads and aliases them."""
+    for name, linear in list(module.named_modules()):
+        key = key_for(f"{name}.weight") if name.startswith(DECODER_LAYERS) and isinstance(linear, nn.Linear) else None
+        weight = checkpoint.quantized.get(key) if key else None
+        if weight is None:
+            continue
+        if weight.shape != (linear.out_features, linear.in_features):
+            raise CheckpointError(
+                f"{checkpoint.path}: {key} holds a {weight.shape} weight, the model expects "
+                f"{(linear.out_features, linear.in_features)}"
+            )
+        parts = {part: checkpoint.stored[part] for part in weight.parts.values()}
+        shapes = {part: (info.shape, TORCH_DTYPES[info.dtype]) for part, info in parts.items()}
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, PackedLinear(weight, shapes, linear.bias is not None))
 
 
 def replace_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -88,13 +119,20 @@ def load_target_stage(
     has_head: bool,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    packed: bool = True,
 ) -> TargetStage:
-    """A target stage with every owned tensor read from the checkpoint; a missing one is an error."""
-    config = checkpoint.config
-    stage = allocate(
-        lambda: TargetStage(config, layers, has_embedding, has_head), dtype, device, checkpoint.map_weights
-    )
-    result = load_module(stage, checkpoint, target_key_for(checkpoint))
+    """A target stage with every owned tensor read from the checkpoint; a missing one is an error. `packed`:
+    quantised weights stay packed (models/packed.py), else they are dequantised at load."""
+    config, key_for = checkpoint.config, target_key_for(checkpoint)
+
+    def build() -> TargetStage:
+        stage = TargetStage(config, layers, has_embedding, has_head)
+        if packed:
+            pack_linears(stage, checkpoint, key_for)
+        return stage
+
+    stage = allocate(build, dtype, device, checkpoint.map_weights)
+    result = load_module(stage, checkpoint, key_for)
     materialize(stage, device)
     if result.missing:
         name, key = next(iter(result.missing.items()))
@@ -103,6 +141,6 @@ def load_target_stage(
     return stage.eval()
 
 
-def load_full_target(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> TargetStage:
+def load_full_target(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32, packed: bool = True) -> TargetStage:
     """The whole target in one stage (PP = 1): embedding, every layer, final norm and head."""
-    return load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True, dtype)
+    return load_target_stage(checkpoint, range(checkpoint.config.num_hidden_layers), True, True, dtype, packed=packed)

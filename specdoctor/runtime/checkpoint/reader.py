@@ -141,7 +141,7 @@ class Checkpoint:
 
     def _read_dequantized(self, key: str, rows: tuple[int, int] | None, out: torch.Tensor | None) -> torch.Tensor:
         try:
-            tensor = dequantize(self.quantized[key], self._read_stored)
+            tensor = dequantize(self.quantized[key], self.read_stored)
         except ValueError as err:
             raise CheckpointError(f"{self.path}: {key}: {err}") from None
         tensor = tensor[rows[0] : rows[1]] if rows is not None else tensor
@@ -159,17 +159,20 @@ class Checkpoint:
         A quantised weight is read as its parts and dequantised."""
         if key in self.quantized:
             return self._read_dequantized(key, rows, out)
-        return self._read_stored(key, rows, out)
+        return self.read_stored(key, rows, out)
 
-    def mapped(self, key: str, dtype: torch.dtype) -> torch.Tensor | None:
+    def mapped(self, key: str, dtype: torch.dtype, stored: bool = False) -> torch.Tensor | None:
         """A copy-on-write memory map of a stored tensor, with no copy in memory (pages come from the shard
-        when touched); None for a tensor that must be converted on the way (quantised, another dtype)."""
+        when touched); None for a tensor that must be converted on the way (quantised, another dtype).
+        `stored`: the bytes as the shard holds them, where `key` is also a quantised weight's own name."""
         info = self.stored.get(key)
-        if key in self.quantized or info is None or TORCH_DTYPES.get(info.dtype) != dtype or not info.nbytes:
+        converted = key in self.quantized and not stored
+        if converted or info is None or TORCH_DTYPES.get(info.dtype) != dtype or not info.nbytes:
             return None
         return map_bytes(self.path / info.shard, info.offset, info.nbytes).view(dtype).reshape(info.shape)
 
-    def _read_stored(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
+    def read_stored(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
+        """`read` of the bytes as the shard holds them: a quantised weight's parts, never dequantised."""
         info = self.stored.get(key)
         if info is None:
             raise CheckpointError(f"{self.path}: tensor {key!r} is not in the checkpoint")

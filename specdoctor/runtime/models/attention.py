@@ -9,11 +9,14 @@ from torch import nn
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import FusedWeights, RMSNorm, concat_weights
+from specdoctor.runtime.models.packed import any_packed
 from specdoctor.runtime.models.rope import apply_rotary
 
 
 class Attention(FusedWeights):
     """Grouped-query attention with partial rotary embedding and optional q/k norm."""
+
+    output_bias = False  # whether `attention_bias` also gives o_proj a bias (GLM-4.5's and Qwen3's do not)
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -25,7 +28,7 @@ class Attention(FusedWeights):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias and self.output_bias)
         if config.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -33,7 +36,8 @@ class Attention(FusedWeights):
         self.fuse()
 
     def fuse(self) -> None:
-        self.qkv_weight, self.qkv_bias = concat_weights([self.q_proj, self.k_proj, self.v_proj])
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_weight, self.qkv_bias = (None, None) if any_packed(*parts) else concat_weights(parts)
 
     def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused q/k/v projection's weight [(heads + 2 kv_heads) D, H] and bias."""
@@ -50,7 +54,11 @@ class Attention(FusedWeights):
     ) -> torch.Tensor:  # [B, T, H]
         batch, length, _ = x.shape
         kv_size = self.num_kv_heads * self.head_dim
-        qk, v = F.linear(x, *self.qkv()).split([self.num_heads * self.head_dim + kv_size, kv_size], -1)
+        if self.qkv_weight is None:  # packed weights: one quantised GEMM each
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        else:
+            qkv = F.linear(x, *self.qkv())
+        qk, v = qkv.split([self.num_heads * self.head_dim + kv_size, kv_size], -1)
         heads = self.num_heads
         qk = qk.view(batch, length, heads + self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:

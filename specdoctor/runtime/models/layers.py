@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdoctor.kernels.reference import rms_norm
+from specdoctor.runtime.models.packed import any_packed
 
 
 class PPMissingLayer(nn.Identity):
@@ -73,8 +74,12 @@ class MLP(FusedWeights):
         self.fuse()
 
     def fuse(self) -> None:
-        self.gate_up = concat_weights([self.gate_proj, self.up_proj])[0]  # [2I, H]
+        packed = any_packed(self.gate_proj, self.up_proj)
+        self.gate_up = None if packed else concat_weights([self.gate_proj, self.up_proj])[0]  # [2I, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.joined(self.gate_up, [self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        if self.gate_up is None:  # packed weights: one quantised GEMM each
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.joined(self.gate_up, [self.gate_proj.weight, self.up_proj.weight])).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)

@@ -9,6 +9,7 @@ from torch import nn
 
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import MLP, FusedWeights, concat_weights
+from specdoctor.runtime.models.packed import any_packed
 
 
 class Router(nn.Module):
@@ -61,6 +62,11 @@ class MoE(FusedWeights):
         self.fuse()
 
     def fuse(self) -> None:
+        linears = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
+        self.packed = any_packed(*linears)
+        if self.packed:  # each expert runs its own quantised GEMMs (looped_experts)
+            self.gate_up = self.down = None
+            return
         experts, (size, hidden) = len(self.experts), self.experts[0].gate_proj.weight.shape
         self.expert_bytes = self.experts[0].gate_proj.weight.nbytes * 3  # gate, up and down
         parts = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
@@ -70,20 +76,19 @@ class MoE(FusedWeights):
             expert.gate_up = self.gate_up[index]
 
     def gathered_token_limit(self) -> int:
-        """The most tokens a pass routes through `gathered_experts`."""
-        return GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
+        """The most tokens a pass routes through `gathered_experts` (none with packed experts)."""
+        return 0 if self.packed else GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
 
     def loop_token_limit(self) -> int | None:
         """The most tokens a pass can take without the per-expert loop, which reads its expert list on the
         host (so a compiled pass must stay under it); None: any number."""
-        return (
-            None if len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES else self.gathered_token_limit()
-        )
+        every_expert = not self.packed and len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES
+        return None if every_expert else self.gathered_token_limit()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         flat = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.gate(flat)
-        if flat.shape[0] <= self.gathered_token_limit():
+        if not self.packed and flat.shape[0] <= self.gathered_token_limit():
             out = self.gathered_experts(flat, weights, expert_ids)
         elif self.loop_token_limit() is None:
             out = self.every_expert(flat, weights, expert_ids)

@@ -1,0 +1,55 @@
+"""`specdoctor check` on a quantised checkpoint with its weights held packed (the quantised GEMMs) and dequantised
+at load, side by side in one run: the bytes the ranks hold for their tensors (the memory plan, which
+tests/runtime/test_packed_weights.py holds equal to what the ranks allocate), the peak resident memory of check
+and every process it starts (summed), the time to verdict, and whether the two reports agree.
+
+    python -m benchmarks.packed_weights [--model demo-w4a16] [--pp 2] [--json runs/packed_weights.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from benchmarks.common import numeric_table, write_json
+from tests.helpers.peak_memory import run_measured
+from tests.helpers.reports import findings_of
+
+MODES = ("packed", "dequantized")
+# The loaded-drafter and repair stages start from the same bytes in both runs (the fill is zeros, not whatever
+# torch.empty gives), so the reports can be compared whole.
+ARGS = ("--drafter-policy", "engine-legacy", "--head-policy", "engine-legacy", "--fill", "zeros", "--repair")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo-w4a16")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("runs/packed_weights.json"))
+    args = parser.parse_args()
+    runs, reports = {}, {}
+    for mode in MODES:
+        command = [sys.executable, "-m", "specdoctor", "check", "--model", args.model, "--pp", str(args.pp), *ARGS]
+        run = run_measured([*command, "--quantized-weights", mode, "--json", "-"], timeout_s=1800)
+        reports[mode] = json.loads(run.stdout)
+        runs[mode] = {
+            "weights_mib": round(sum(rank["weights"] for rank in reports[mode]["memory"]["ranks"]) / 2**20, 2),
+            "peak_memory_mib": round(run.peak_bytes / 2**20),
+            "check_s": round(run.seconds, 1),
+            "exit_code": run.returncode,
+        }
+    same = findings_of(reports["packed"]) == findings_of(reports["dequantized"])
+    table = numeric_table(f"check --model {args.model} --pp {args.pp}", ("weights", *runs["packed"]))
+    for mode, row in runs.items():
+        table.add_row(mode, *map(str, row.values()))
+    Console().print(table)
+    print(f"same findings, battery and verdict: {same}")
+    write_json(args.json, {"model": args.model, "pp": args.pp, "runs": runs, "same_reports": same})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Linear layers whose weight stays as the checkpoint stores it: packed int4/int8 words or float8 with block
+scales, multiplied through the quantised GEMMs (kernels.w4a16_matmul, kernels.fp8_block_matmul) instead of
+being dequantised at load (docs/quantization.md §Memory)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdoctor import kernels
+from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, dequantize
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward over a quantised weight held packed. Its buffers carry the checkpoint's own names
+    for the parts (`weight_packed`, `weight_scale`, `qweight`, `weight_scale_inv`, ...), so the loader maps
+    them to keys as it maps any tensor, and they keep the stored dtypes whatever the compute dtype."""
+
+    def __init__(self, weight: QuantizedWeight, parts: dict[str, tuple[tuple[int, ...], torch.dtype]], bias: bool):
+        super().__init__()
+        self.spec = weight
+        self.out_features, self.in_features = weight.shape
+        self.roles = {}  # role (quantization.QuantizedWeight.parts) -> buffer name
+        for role, key in weight.parts.items():
+            name = key.rpartition(".")[2]
+            shape, dtype = parts[key]
+            self.register_buffer(name, torch.empty(shape, dtype=dtype))
+            self.roles[role] = name
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def _apply(self, fn, recurse=True):
+        # A move (`.to(device)`, `to_empty`) moves the parts; a cast to the compute dtype would unpack the
+        # float8 weight to 4 bytes an element and round fp32 scales, so the parts keep their dtypes.
+        parts = dict(self._buffers)
+        self._buffers.clear()
+        super()._apply(fn, recurse)
+        for name, part in parts.items():
+            device = fn(torch.empty(0, dtype=part.dtype, device=part.device)).device
+            self._buffers[name] = torch.empty_like(part, device=device) if part.is_meta else part.to(device)
+        return self
+
+    def part(self, role: str) -> torch.Tensor | None:
+        return self._buffers[self.roles[role]] if role in self.roles else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The [out, in] weight in the dtype dequantising at load gives it."""
+        return dequantize(self.spec, lambda key: self._buffers[key.rpartition(".")[2]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        spec, part = self.spec, self.part
+        if spec.format == "fp8-block":
+            scale_inv = part("scale_inv")  # ue8m0 powers of two, a type kernels do not load: as fp32 (exact)
+            scale_inv = scale_inv.float() if scale_inv.dtype == torch.float8_e8m0fnu else scale_inv
+            out = kernels.fp8_block_matmul(flat, part("weight"), scale_inv, spec.block)
+        elif spec.format == "awq":
+            out = kernels.w4a16_matmul(flat, part("qweight"), part("scales"), part("qzeros"), spec.group_size, "awq")
+        elif spec.bits == 4 and part("g_idx") is None:
+            out = kernels.w4a16_matmul(
+                flat, part("packed"), part("scale"), part("zero_point"), spec.group_size, "pack-quantized"
+            )
+        else:  # 8-bit words and activation-ordered groups have no GEMM of their own: dequantise per call
+            out = F.linear(flat, self.dequantized().to(x.dtype))
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+
+def any_packed(*modules: nn.Module) -> bool:
+    """Whether any of the linears holds its weight packed (then it cannot share a fused weight)."""
+    return any(isinstance(module, PackedLinear) for module in modules)
