@@ -21,7 +21,7 @@ def preflight(checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterKi
     findings = config_sanity(checkpoint, drafter is not None)
     if drafter is not None:
         findings += KIND_PREFLIGHT[drafter.name](drafter, ranks)
-    findings += engine_placement(checkpoint, ranks) + quantization(checkpoint)
+    findings += engine_placement(checkpoint, ranks) + engine_router(checkpoint) + quantization(checkpoint)
     return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
 
 
@@ -82,6 +82,26 @@ def config_sanity(checkpoint: Checkpoint, has_drafter: bool = False) -> list[Fin
             )
         )
     return findings
+
+
+def engine_router(checkpoint: Checkpoint) -> list[Finding]:
+    """A DeepSeek-V3, V3.2 or GLM-5 config that leaves the router unnamed, as transformers' config classes write
+    them: the architecture (and transformers) routes with sigmoid scores and the correction bias, vLLM with softmax
+    scores and no bias: served by vLLM it is another model than the one trained (docs/engine-semantics.md)."""
+    unnamed = [name for name in ("scoring_func", "topk_method") if checkpoint.raw_config.get(name) is None]
+    if not (ARCHITECTURES[checkpoint.config.architecture].vllm_router_from_config and unnamed):
+        return []
+    return [
+        Finding(
+            "config.router",
+            "error",
+            f"{' and '.join(unnamed)} not set: vLLM 0.32 routes this {checkpoint.config.architecture} with softmax "
+            "scores and no correction bias, where the architecture (and transformers, and specdoctor's runtime) "
+            "uses sigmoid scores with the bias: the deployment computes another model than the checkpoint's",
+            'add "scoring_func": "sigmoid", "topk_method": "noaux_tc" to config.json (the released configs name them)',
+            data={"unnamed": unnamed},
+        )
+    ]
 
 
 def ranks_without_moe_layer(config, ranks: list[Placement]) -> list[int]:

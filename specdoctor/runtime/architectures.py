@@ -1,5 +1,5 @@
-"""What specdoctor knows about each architecture vLLM 0.32 registers an MTP drafter for (and dense Qwen3,
-the target of its block drafters), whether or not its runtime can run it: where the checkpoint keeps the
+"""What specdoctor knows about each architecture vLLM 0.32 registers an MTP drafter for (and dense Qwen3 and
+Llama, the targets of separate drafters), whether or not its runtime can run it: where the checkpoint keeps the
 MTP layers, and the placement facts of vLLM's model (docs/engine-semantics.md §Ownership). The
 header-only commands (inspect, check's pre-flight) work for every architecture here;
 runtime/models/registry.py lists the ones the runtime runs.
@@ -62,6 +62,9 @@ class Architecture:
     tied_embedding_on_last_rank: bool = False
     # vLLM's model refuses to build a PP rank whose layers hold no MoE layer ("No ... layer found").
     needs_moe_layer_per_rank: bool = False
+    # vLLM builds the MoE with DeepSeek-V2's, which reads the router from config.json: softmax scores unless
+    # `scoring_func` says otherwise, the correction bias only with `topk_method` noaux_tc.
+    vllm_router_from_config: bool = False
     # vLLM's drafter forward takes its inputs only `if get_pp_group().is_first_rank`; it runs on the last rank,
     # so at PP > 1 it takes the intermediate-tensors branch and asserts on the first draft step.
     drafter_needs_first_rank: bool = False
@@ -70,9 +73,9 @@ class Architecture:
 ARCHITECTURES = {
     "Glm4MoeForCausalLM": Architecture(DEEPSEEK_MTP, "glm4_moe_mtp", needs_moe_layer_per_rank=True),
     "Glm4MoeLiteForCausalLM": Architecture(DEEPSEEK_MTP, "glm4_moe_lite_mtp"),
-    "GlmMoeDsaForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)"),
-    "DeepseekV3ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp"),
-    "DeepseekV32ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)"),
+    "GlmMoeDsaForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)", vllm_router_from_config=True),
+    "DeepseekV3ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp", vllm_router_from_config=True),
+    "DeepseekV32ForCausalLM": Architecture(DEEPSEEK_MTP, "deepseek_mtp (deepseek_v32)", vllm_router_from_config=True),
     "Qwen3NextForCausalLM": Architecture(
         QWEN_MTP, "qwen3_next_mtp", needs_moe_layer_per_rank=True, drafter_needs_first_rank=True
     ),
@@ -83,6 +86,9 @@ ARCHITECTURES = {
     "MiMoForCausalLM": Architecture(MIMO_MTP, "mimo_mtp"),
     "Qwen3ForCausalLM": Architecture(
         NO_MTP, "none (its drafters are separate checkpoints: qwen3_dspark, qwen3_dflash)"
+    ),
+    "LlamaForCausalLM": Architecture(
+        NO_MTP, "none (its drafters are separate checkpoints: llama_eagle3, draft models)"
     ),
     "MiMoV2FlashForCausalLM": Architecture(MIMO_V2_MTP, "mimo_v2_mtp", tied_embedding_on_last_rank=True),
     "MiMoV2ForCausalLM": Architecture(MIMO_V2_MTP, "mimo_v2_mtp", tied_embedding_on_last_rank=True),

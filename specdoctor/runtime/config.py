@@ -39,6 +39,21 @@ class YarnScaling:
     mscale_all_dim: float = 0.0
 
 
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama-3's rope scaling (rope_type "llama3"): wavelengths longer than the original context over
+    `low_freq_factor` are divided by `factor`, those shorter than it over `high_freq_factor` kept, a blend of
+    the two between (vLLM: Llama3RotaryEmbedding; transformers: _compute_llama3_parameters)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+RopeScaling = YarnScaling | Llama3Scaling
+
+
 class RawConfig:
     """A parsed config.json with typed reads; every problem is one readable CheckpointError."""
 
@@ -103,6 +118,18 @@ def common_fields(raw: RawConfig, architecture: str, layout: MtpKeyLayout, all_m
     )
 
 
+def dense_attention_fields(raw: RawConfig) -> dict:
+    """The ModelConfig fields of grouped-query attention rotated over the whole head (Qwen3, Llama)."""
+    heads = raw.need("num_attention_heads")
+    head_dim = int(raw.get("head_dim") or raw.need("hidden_size") // heads)
+    return dict(
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rotary_dim=head_dim,
+    )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -132,7 +159,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     mtp_keys: MtpKeyLayout = field(default_factory=MtpKeyLayout)
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: RopeScaling | None = None
     # Where the checkpoint keeps the target's `model.*` tensors (layers, norm; the embedding has its own candidate
     # keys): `model.`, or `model.language_model.` in a multimodal release whose config nests the text model.
     decoder_prefix: str = "model."

@@ -89,11 +89,11 @@ def test_inspect_reports_no_draft_embedding_source(tiny):
 
 def test_unsupported_architecture_is_a_clear_error(tiny):
     config = json.loads((tiny / "config.json").read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = ["Gemma3ForCausalLM"]
     (tiny / "config.json").write_text(json.dumps(config))
     result = specdoctor("inspect", "--model", str(tiny))
     assert result.returncode == 2
-    assert "architecture 'LlamaForCausalLM' is not supported" in result.stderr
+    assert "architecture 'Gemma3ForCausalLM' is not supported" in result.stderr
     assert "Traceback" not in result.stderr
 
 

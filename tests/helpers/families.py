@@ -158,3 +158,18 @@ def assert_pipeline_matches_single_process(path, model, pp: int, ks) -> None:
             result = engine.generate(PIPELINE_PROMPTS, 12, num_speculative_tokens=k)
             assert result.tokens == expected_tokens, k
             assert result.metrics.num_draft_tokens == k * result.metrics.num_drafts > 0
+
+
+def save_dense_checkpoint(path, architecture: str, seed: int = 0, **overrides):
+    """transformers' dense `architecture` (Qwen3ForCausalLM, LlamaForCausalLM) at SMALL sizes with random weights,
+    saved in several shards; the model."""
+    import transformers
+
+    from tests.conftest import randomize
+
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config_class(**{**SMALL, "head_dim": 16, **overrides})).eval()
+    randomize(model, seed)
+    model.save_pretrained(path, max_shard_size="100KB")
+    return model

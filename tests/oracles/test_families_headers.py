@@ -89,6 +89,6 @@ def test_the_runtime_refuses_an_architecture_it_does_not_run_in_one_line(family_
 def test_an_unknown_architecture_is_still_a_clear_error(tmp_path):
     make_family_checkpoint(tmp_path, "Qwen3_5ForCausalLM")
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
     result = specdoctor("inspect", "--model", str(tmp_path))
     assert result.returncode == 2 and "its MTP layout is unknown" in result.stderr

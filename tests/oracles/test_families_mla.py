@@ -75,10 +75,9 @@ def test_config_variants_match_transformers(tmp_path, architecture, overrides):
         (dict(rope_parameters={**YARN, "truncate": False}), "yarn truncate false is not supported"),
         (dict(rope_parameters={**YARN, "rope_type": "longrope"}), "is not supported (default, or yarn"),
         (dict(topk_method="greedy"), "router ('sigmoid', 'greedy') is not supported"),
-        (dict(scoring_func=None), "scoring_func not set, so vLLM and transformers route differently"),
         (dict(indexer_types=["full", "shared", "full", "shared"]), "reuse another layer's top-k"),
     ],
-    ids=["halves-rope", "untruncated-yarn", "longrope", "greedy-router", "unnamed-router", "shared-indexer"],
+    ids=["halves-rope", "untruncated-yarn", "longrope", "greedy-router", "shared-indexer"],
 )
 def test_configs_the_engines_disagree_on_or_it_cannot_run_are_refused_in_one_line(
     mla_models, tmp_path, change, message

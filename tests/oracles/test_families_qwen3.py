@@ -5,22 +5,13 @@ tied embeddings; then the pipeline runtime at PP 2 against one process."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.helpers.families import SMALL, assert_pipeline_matches_single_process
+from tests.helpers.families import assert_pipeline_matches_single_process, save_dense_checkpoint
 from tests.oracles.test_model_parity import assert_matches_transformers
 
 
 def make_qwen3_checkpoint(path, seed: int = 0, **overrides):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tests.conftest import randomize
-
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**SMALL, "head_dim": 16, **overrides})).eval()
-    randomize(model, seed)
-    model.save_pretrained(path, max_shard_size="100KB")
-    return model
+    return save_dense_checkpoint(path, "Qwen3ForCausalLM", seed, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ whose weights lie under `model.language_model.` beside a vision tower.
 transformers saves no MTP layer, so one is appended in the hub layout (the family's last decoder block plus the
 layout's own tensors) and its count named where the class writes none; dense Qwen3 drafts with a DSpark drafter
 checkpoint of its own. DeepSeek-V3, V3.2 and GLM-5: transformers' configs name no router, and vLLM then routes
-with softmax and no correction bias where transformers uses sigmoid with it, so the runtime refuses them until
-config.json names it, as the released configs do (docs/engine-semantics.md §MLA and DSA).
+with softmax and no correction bias where transformers uses sigmoid with it: the runtime computes the architecture's
+(transformers') model and the pre-flight reports vLLM's as an error (docs/engine-semantics.md §MLA and DSA).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ TEXT = {
         {**GQA, "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2},
     ),
     "Qwen3ForCausalLM": ("Qwen3Config", {**GQA, **HEAD, "intermediate_size": 96}),
+    "LlamaForCausalLM": ("LlamaConfig", {**GQA, **HEAD, "intermediate_size": 96}),
     "DeepseekV3ForCausalLM": ("DeepseekV3Config", {**MLA, "n_routed_experts": 16}),  # 8 groups: 2 experts each
     "DeepseekV32ForCausalLM": ("DeepseekV32Config", {**MLA, **DSA, "n_routed_experts": 16}),
     "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", {**MLA, "n_routed_experts": 8}),
@@ -75,7 +77,7 @@ class Made:
     path: Path
     model: torch.nn.Module  # transformers' own
     written: dict  # config.json as transformers wrote it
-    refusal: str | None  # the runtime's word on that config.json, before the MTP layer and any router were added
+    refusal: str | None  # the runtime's word on that config.json, before the MTP layer was added
     drafter: Path | None = None  # a drafter checkpoint of its own (dense Qwen3)
 
 
@@ -128,10 +130,8 @@ def make(path: Path, architecture: str) -> Made:
         return Made(path, model, written, refusal)
     config_class, sizes = TEXT[architecture]
     model, written, refusal = save(path, architecture, getattr(transformers, config_class)(**sizes))
-    if architecture in NAMES_NO_ROUTER:
-        (path / "config.json").write_text(json.dumps({**written, **ROUTER}))
     layout = ARCHITECTURES[architecture].mtp
-    if not layout.count_fields:  # dense Qwen3: its drafter is a checkpoint of its own
+    if not layout.count_fields:  # dense Qwen3 and Llama: their drafter is a checkpoint of its own
         drafter = path.parent / f"{path.name}-dspark"
         make_drafter(drafter, target_layer_ids=[0, 2, 3])
         return Made(path, model, written, refusal, drafter)
@@ -171,11 +171,7 @@ def logits_error(made: Made, length: int = 9) -> float:
 @pytest.mark.parametrize("architecture", list(TEXT))
 def test_the_config_class_defaults_run_and_compute_transformers_logits(hub, architecture):
     made = hub(architecture)
-    if architecture in NAMES_NO_ROUTER:
-        assert made.refusal and "scoring_func and topk_method not set" in made.refusal, made.refusal
-        assert "softmax scores, no correction bias" in made.refusal
-    else:
-        assert made.refusal is None
+    assert made.refusal is None
     checkpoint = Checkpoint(made.path)
     assert checkpoint.unrunnable_reason() is None
     assert checkpoint.layout == "index" and len({info.shard for info in checkpoint.tensors.values()}) >= 3
@@ -227,3 +223,28 @@ def test_check_runs_the_runtime_stages(hub, architecture):
     assert report["stages"] and report["stages"][0]["behaviour"], report["preflight"]
     provenance = report["stages"][0]["drafter"]["provenance"]  # every drafter tensor found where its layout says
     assert "unfilled:missing-from-checkpoint" not in provenance.values(), provenance
+
+
+@pytest.mark.parametrize("architecture", NAMES_NO_ROUTER)
+def test_an_unnamed_router_is_what_vllm_computes_differently(hub, architecture, tmp_path):
+    """The config as transformers wrote it runs (above) and the pre-flight says vLLM routes it otherwise; named as
+    the released configs name it, nothing is said; a router the architecture does not have is refused."""
+    made = hub(architecture)
+
+    def router_findings(path) -> list[dict]:
+        result = specdoctor("inspect", "--model", str(path), "--json", "-")
+        assert result.returncode == 0, result.stderr
+        return [f for f in json.loads(result.stdout)["preflight"] if f["check"] == "config.router"]
+
+    (finding,) = router_findings(made.path)
+    assert finding["severity"] == "error" and finding["data"]["unnamed"] == ["scoring_func", "topk_method"]
+    assert (
+        "vLLM 0.32 routes this" in finding["message"] and "softmax scores and no correction bias" in finding["message"]
+    )
+    named = tmp_path / "named"
+    shutil.copytree(made.path, named)
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, **ROUTER}))
+    assert router_findings(named) == []
+    (named / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax", "topk_method": "greedy"}))
+    assert "router ('softmax', 'greedy') is not supported" in Checkpoint(named).unrunnable_reason()

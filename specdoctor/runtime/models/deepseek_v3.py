@@ -119,25 +119,17 @@ def dsa_fields(raw: RawConfig, architecture: str) -> dict:
     }
 
 
-def check_router(raw: RawConfig, architecture: str) -> None:
-    """The sigmoid router with the score-correction bias is the one supported. vLLM builds every architecture
-    here but GLM-4.7-Flash with DeepSeek-V2's MoE, which routes with softmax when `scoring_func` is absent and
-    without the bias unless `topk_method` is noaux_tc; transformers always uses both: a config that leaves
-    them out computes two different models, so it is refused (the released configs name them)."""
-    if architecture != "Glm4MoeLiteForCausalLM":
-        missing = [name for name in ("scoring_func", "topk_method") if raw.get(name) is None]
-        if missing:
-            raise CheckpointError(
-                f"{raw.source}: {' and '.join(missing)} not set, so vLLM and transformers route differently "
-                '(vLLM: softmax scores, no correction bias); set "scoring_func": "sigmoid", "topk_method": "noaux_tc"'
-            )
-    router = (raw.get("scoring_func", "sigmoid"), raw.get("topk_method", "noaux_tc"))
+def check_router(raw: RawConfig) -> None:
+    """The sigmoid router with the score-correction bias is the one supported: what the architectures define and
+    transformers computes whatever the config says. A config that leaves the router unnamed runs so (vLLM then
+    routes differently: the pre-flight's `config.router`, checks/preflight.py); one that names another is refused."""
+    router = (raw.get("scoring_func") or "sigmoid", raw.get("topk_method") or "noaux_tc")
     if router != ("sigmoid", "noaux_tc"):
         raise CheckpointError(f"{raw.source}: router {router} is not supported (sigmoid scores, noaux_tc top-k)")
 
 
 def read_mla_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> MlaConfig:
-    check_router(raw, architecture)
+    check_router(raw)
     heads, rope_dim, nope_dim = (
         raw.need("num_attention_heads"),
         raw.need("qk_rope_head_dim"),

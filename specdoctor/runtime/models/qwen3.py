@@ -9,7 +9,7 @@ runtime/drafter/dspark.py); without one it decodes plainly. vLLM 0.32: `models/q
 from __future__ import annotations
 
 from specdoctor.errors import CheckpointError
-from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields
+from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig, common_fields, dense_attention_fields
 from specdoctor.runtime.models import glm4_moe
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -19,9 +19,6 @@ DecoderLayer = glm4_moe.DecoderLayer  # with use_qk_norm, full rotary and no MoE
 def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:
     if raw.get("use_sliding_window"):
         raise CheckpointError(f"{raw.source}: use_sliding_window is set; the runtime runs full attention only")
-    hidden = raw.need("hidden_size")
-    heads = raw.need("num_attention_heads")
-    head_dim = int(raw.get("head_dim") or hidden // heads)
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(
@@ -30,10 +27,7 @@ def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> Mode
     layers = raw.need("num_hidden_layers")
     return ModelConfig(
         **common_fields(raw, architecture, layout),
-        num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        rotary_dim=head_dim,
+        **dense_attention_fields(raw),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1000000.0))),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         use_qk_norm=True,

@@ -15,7 +15,7 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.config import ModelConfig, MtpKeyLayout, RawConfig
-from specdoctor.runtime.models import deepseek_v3, glm4_moe, qwen3, qwen3_next
+from specdoctor.runtime.models import deepseek_v3, glm4_moe, llama, qwen3, qwen3_next
 from specdoctor.runtime.models.layers import RMSNorm
 
 
@@ -30,6 +30,7 @@ class ModelFamily:
 FAMILIES = {
     glm4_moe.ARCHITECTURE: ModelFamily(glm4_moe.read_config, glm4_moe.DecoderLayer, glm4_moe.MtpLayer),
     qwen3.ARCHITECTURE: ModelFamily(qwen3.read_config, qwen3.DecoderLayer, None),
+    llama.ARCHITECTURE: ModelFamily(llama.read_config, llama.DecoderLayer, None),
     **{
         architecture: ModelFamily(deepseek_v3.read_mla_config, deepseek_v3.DecoderLayer, deepseek_v3.MtpLayer)
         for architecture in deepseek_v3.ARCHITECTURES

@@ -1,5 +1,5 @@
-"""Rotary position embeddings: plain, or YaRN-scaled as DeepSeek-V3 configures them, applied in the
-neox layout (halves) or DeepSeek's interleaved layout (pairs)."""
+"""Rotary position embeddings: plain, YaRN-scaled as DeepSeek-V3 configures them or Llama-3-scaled, applied
+in the neox layout (halves) or DeepSeek's interleaved layout (pairs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from specdoctor.runtime.config import ModelConfig, YarnScaling
+from specdoctor.runtime.config import Llama3Scaling, ModelConfig, RopeScaling, YarnScaling
 
 # Draft chains may run up to 2k (k <= 8) positions past the context; the tables cover them.
 POSITION_SLACK = 32
@@ -18,12 +18,28 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim / 2], the factor cos and sin are scaled by), as vLLM's DeepSeek YaRN
-    computes them (docs/engine-semantics.md §MLA and DSA); plain RoPE without `yarn`."""
+def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], the factor cos and sin are scaled by), as vLLM computes them for each
+    scaling (docs/engine-semantics.md §MLA and DSA for YaRN); plain RoPE without `scaling`."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    if yarn is None:
+    if scaling is None:
         return 1.0 / pos_freqs, 1.0
+    if isinstance(scaling, Llama3Scaling):
+        return llama3_frequencies(1.0 / pos_freqs, scaling), 1.0
+    return yarn_frequencies(dim, theta, pos_freqs, scaling)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tensor:
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (original / wavelength - low) / (high - low) if low != high else torch.zeros_like(inv_freq)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / scaling.factor, blended)
+    return torch.where(wavelength < original / high, inv_freq, scaled)
+
+
+def yarn_frequencies(dim: int, theta: float, pos_freqs: torch.Tensor, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
     # An unset mscale counts as 0 (a factor of 1), as in vLLM; transformers differs when only one is set.
     attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
 
@@ -42,11 +58,11 @@ def inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> tup
 
 @functools.lru_cache(maxsize=8)
 def rotary_table(
-    dim: int, theta: float, yarn: YarnScaling | None, length: int, device: torch.device, dtype: torch.dtype
+    dim: int, theta: float, scaling: RopeScaling | None, length: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position up to `length`, [length, dim] each: computed once, then indexed
     (building them per forward costs more than the attention itself on a small model)."""
-    inv_freq, scale = inverse_frequencies(dim, theta, yarn)
+    inv_freq, scale = inverse_frequencies(dim, theta, scaling)
     freqs = torch.arange(length, device=device).float()[:, None] * inv_freq.to(device)
     angles = torch.cat((freqs, freqs), dim=-1)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
