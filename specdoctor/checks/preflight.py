@@ -91,13 +91,18 @@ def engine_router(checkpoint: Checkpoint) -> list[Finding]:
     unnamed = [name for name in ("scoring_func", "topk_method") if checkpoint.raw_config.get(name) is None]
     if not (ARCHITECTURES[checkpoint.config.architecture].vllm_router_from_config and unnamed):
         return []
+    vllm = (
+        ("softmax" if "scoring_func" in unnamed else "sigmoid")
+        + " scores "
+        + ("and no correction bias" if "topk_method" in unnamed else "with the correction bias")
+    )
     return [
         Finding(
             "config.router",
             "error",
-            f"{' and '.join(unnamed)} not set: vLLM 0.32 routes this {checkpoint.config.architecture} with softmax "
-            "scores and no correction bias, where the architecture (and transformers, and specdoctor's runtime) "
-            "uses sigmoid scores with the bias: the deployment computes another model than the checkpoint's",
+            f"{' and '.join(unnamed)} not set: vLLM 0.32 routes this {checkpoint.config.architecture} with {vllm}, "
+            "where the architecture (and transformers, and specdoctor's runtime) uses sigmoid scores with the "
+            "correction bias: the deployment computes another model than the checkpoint's",
             'add "scoring_func": "sigmoid", "topk_method": "noaux_tc" to config.json (the released configs name them)',
             data={"unnamed": unnamed},
         )

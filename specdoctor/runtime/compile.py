@@ -9,9 +9,10 @@ graph holds no host synchronisation; the span reaches it as the mask's size, so 
 length. Passes the graphs would have to break stay eager: prompt passes (more positions than a verify
 pass ever feeds), and passes that take an MoE layer's per-expert loop, which reads its expert list on
 the host (models whose routed experts are too large to gather or run all at once, GLM-4.5's at any
-batch; the demo's never do). A grouped-GEMM MoE kernel would lift that limit. On
-CUDA the same graphs are compiled without CUDA graphs (`mode="reduce-overhead"`): a step writes its KV
-cache, a graph input, in place, and Inductor skips CUDA graphs for graphs that mutate their inputs.
+batch, and packed quantised experts at any size; the floating-point demos' never do). A grouped-GEMM
+MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
+(`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips
+CUDA graphs for graphs that mutate their inputs.
 """
 
 from __future__ import annotations

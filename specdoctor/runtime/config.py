@@ -41,9 +41,10 @@ class YarnScaling:
 
 @dataclass(frozen=True)
 class Llama3Scaling:
-    """Llama-3's rope scaling (rope_type "llama3"): wavelengths longer than the original context over
-    `low_freq_factor` are divided by `factor`, those shorter than it over `high_freq_factor` kept, a blend of
-    the two between (vLLM: Llama3RotaryEmbedding; transformers: _compute_llama3_parameters)."""
+    """Llama-3's rope scaling (rope_type "llama3"): the frequencies whose wavelength is longer than the
+    original context over `low_freq_factor` are divided by `factor`, those whose wavelength is shorter than it
+    over `high_freq_factor` kept, a blend of the two between (vLLM: Llama3RotaryEmbedding; transformers:
+    _compute_llama3_parameters)."""
 
     factor: float
     low_freq_factor: float

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -35,7 +36,7 @@ class RankMemory:
     rank: int
     weights: int  # its tensors as held: the compute dtype, quantised weights packed unless dequantised
     kv_cache: int
-    workspace: int  # activations, the logits of a verify pass, and the process itself
+    workspace: int  # activations, the logits of a verify pass, a packed weight dequantised, the process itself
 
     @property
     def total(self) -> int:
@@ -96,34 +97,44 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 def rank_weights(
     checkpoint: Checkpoint, placement: Placement, drafter: DrafterKind | None, options: RuntimeOptions
-) -> int:
-    """Bytes of the tensors a rank allocates: its stage, and the drafter on the drafter's rank. Layers of one
-    kind (dense or MoE, full or linear attention) are the same size, so each kind is built once."""
+) -> tuple[int, int]:
+    """(bytes of the tensors a rank allocates: its stage, and the drafter on the drafter's rank; bytes one call of
+    its largest packed weight dequantises). Layers of one kind (dense or MoE, full or linear attention) are the
+    same size and hold the same linears, so each kind is built once."""
     config, dtype = checkpoint.config, options.dtype.torch()
-    family, sizes = family_of(config), {}
+    family, sizes, kind_linears, linears = family_of(config), {}, {}, {}
     with torch.device("meta"):
         total = module_bytes(TargetStage(config, range(0), placement.has_embedding, placement.has_head).to(dtype))
         for layer in placement.layers:
             kind = (config.is_moe_layer(layer), config.is_linear_attention(layer))
             if kind not in sizes:
-                sizes[kind] = module_bytes(family.decoder_layer(config, layer).to(dtype))
+                module = family.decoder_layer(config, layer).to(dtype)
+                sizes[kind] = module_bytes(module)
+                kind_linears[kind] = {
+                    f"{name}.weight" for name, m in module.named_modules() if isinstance(m, nn.Linear)
+                }
             total += sizes[kind]
+            linears[layer] = kind_linears[kind]
         if placement.has_drafter and drafter is not None:
             total += module_bytes(drafter.module().to(dtype))
-    if options.quantized_weights == QuantizedWeights.PACKED:
-        total -= packing_saving(checkpoint, placement.layers, dtype)
-    return total
+    if options.quantized_weights == QuantizedWeights.DEQUANTIZED:
+        return total, 0
+    saving, transient = packing(checkpoint, linears, dtype)
+    return total - saving, transient
 
 
-def packing_saving(checkpoint: Checkpoint, layers: range, dtype: torch.dtype) -> int:
-    """Bytes the layers' quantised weights save held packed (runtime/models/packed.py) instead of dequantised."""
-    prefix, saving = f"{checkpoint.config.decoder_prefix}layers.", 0
+def packing(checkpoint: Checkpoint, linears: dict[int, set[str]], dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes the layers' quantised linears save held packed instead of dequantised, the most one call of the
+    torch reference GEMM dequantises: int32 values, the fp32 product and the compute-dtype copy). `linears`:
+    each layer's linear weights, by name in the layer: what runtime/checkpoint/loader.py's pack_linears packs."""
+    prefix, saving, transient = f"{checkpoint.config.decoder_prefix}layers.", 0, 0
     for key, weight in checkpoint.quantized.items():
-        layer = key.removeprefix(prefix).partition(".")[0] if key.startswith(prefix) else ""
-        if layer.isdigit() and int(layer) in layers:
-            packed = sum(checkpoint.stored[part].nbytes for part in weight.parts.values())
-            saving += math.prod(weight.shape) * dtype.itemsize - packed
-    return saving
+        layer, _, name = key.removeprefix(prefix).partition(".") if key.startswith(prefix) else ("", "", "")
+        if layer.isdigit() and name in linears.get(int(layer), ()):
+            values = math.prod(weight.shape)
+            saving += values * dtype.itemsize - sum(checkpoint.stored[part].nbytes for part in weight.parts.values())
+            transient = max(transient, values * (8 + dtype.itemsize))
+    return saving, transient
 
 
 def plan_memory(
@@ -144,8 +155,9 @@ def plan_memory(
     for placement in ranks:
         cache = new_cache(config, list(placement.layers), batch, max_len, dtype, "meta")
         kv = sum(t.numel() * t.element_size() for entries in cache.entries.values() for t in entries)
-        workspace = PROCESS_BYTES + activations + (logits if placement.is_last else 0)
-        plans.append(RankMemory(placement.rank, rank_weights(checkpoint, placement, drafter, options), kv, workspace))
+        weights, dequantizing = rank_weights(checkpoint, placement, drafter, options)
+        workspace = PROCESS_BYTES + activations + dequantizing + (logits if placement.is_last else 0)
+        plans.append(RankMemory(placement.rank, weights, kv, workspace))
     if options.device == Device.CUDA and torch.cuda.is_available():
         count = torch.cuda.device_count()
         free = [torch.cuda.mem_get_info(rank % count)[0] for rank in range(len(ranks))]

@@ -62,3 +62,23 @@ def test_settings_the_runtime_does_not_run_are_refused_not_approximated(tmp_path
     make_llama_checkpoint(tmp_path, **overrides)
     with pytest.raises(CheckpointError, match=reason):
         Checkpoint(tmp_path).require_runnable()
+
+
+def test_a_llama_3_config_as_released_reads_its_rope_scaling():
+    """Llama-3.1's config.json: `rope_scaling` beside a top-level `rope_theta` (transformers 4's spelling)."""
+    from specdoctor.runtime.config import Llama3Scaling
+    from specdoctor.runtime.models.registry import read_config
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    raw = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+        "rope_scaling": {**scaling, "rope_type": "llama3"}, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    }  # fmt: skip
+    config = read_config(raw)
+    assert config.runtime_refusal is None and config.rope_theta == 500000.0 and config.head_dim == 128
+    assert config.rope_scaling == Llama3Scaling(8.0, 1.0, 4.0, 8192)
+    broken = read_config({**raw, "rope_scaling": {**scaling, "rope_type": "llama3", "low_freq_factor": 0}})
+    assert "llama3 rope scaling needs positive" in broken.runtime_refusal
+    missing = read_config({**raw, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert "llama3 rope scaling without low_freq_factor" in missing.runtime_refusal

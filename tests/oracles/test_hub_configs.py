@@ -78,7 +78,7 @@ class Made:
     model: torch.nn.Module  # transformers' own
     written: dict  # config.json as transformers wrote it
     refusal: str | None  # the runtime's word on that config.json, before the MTP layer was added
-    drafter: Path | None = None  # a drafter checkpoint of its own (dense Qwen3)
+    drafter: Path | None = None  # a drafter checkpoint of its own (dense Qwen3 and Llama)
 
 
 def save(path: Path, architecture: str, config) -> tuple[torch.nn.Module, dict, str | None]:
@@ -246,5 +246,8 @@ def test_an_unnamed_router_is_what_vllm_computes_differently(hub, architecture, 
     config = json.loads((named / "config.json").read_text())
     (named / "config.json").write_text(json.dumps({**config, **ROUTER}))
     assert router_findings(named) == []
+    (named / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}))
+    (one,) = router_findings(named)  # half named: vLLM's sigmoid then has no bias
+    assert one["data"]["unnamed"] == ["topk_method"] and "with sigmoid scores and no correction bias" in one["message"]
     (named / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax", "topk_method": "greedy"}))
     assert "router ('softmax', 'greedy') is not supported" in Checkpoint(named).unrunnable_reason()

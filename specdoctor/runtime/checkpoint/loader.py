@@ -75,6 +75,9 @@ def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[s
                 f"{(linear.out_features, linear.in_features)}"
             )
         parts = {part: checkpoint.stored[part] for part in weight.parts.values()}
+        unknown = next((part for part, info in parts.items() if info.dtype not in TORCH_DTYPES), None)
+        if unknown:
+            raise CheckpointError(f"{checkpoint.path}: tensor {unknown!r} has unsupported dtype {parts[unknown].dtype}")
         shapes = {part: (info.shape, TORCH_DTYPES[info.dtype]) for part, info in parts.items()}
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, PackedLinear(weight, shapes, linear.bias is not None))
@@ -138,6 +141,12 @@ def load_target_stage(
         name, key = next(iter(result.missing.items()))
         more = f" (and {len(result.missing) - 1} more)" if len(result.missing) > 1 else ""
         raise CheckpointError(f"{checkpoint.path}: target tensor {key!r} is missing from the checkpoint{more}")
+    for name, linear in stage.named_modules():
+        if isinstance(linear, PackedLinear):
+            try:
+                linear.check_shape()
+            except ValueError as err:
+                raise CheckpointError(f"{checkpoint.path}: {key_for(name + '.weight')}: {err}") from None
     return stage.eval()
 
 

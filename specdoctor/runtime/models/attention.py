@@ -16,7 +16,7 @@ from specdoctor.runtime.models.rope import apply_rotary
 class Attention(FusedWeights):
     """Grouped-query attention with partial rotary embedding and optional q/k norm."""
 
-    output_bias = False  # whether `attention_bias` also gives o_proj a bias (GLM-4.5's and Qwen3's do not)
+    output_bias = False  # whether `attention_bias` also gives o_proj a bias (GLM-4.5's does not)
 
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()

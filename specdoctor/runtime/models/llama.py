@@ -35,22 +35,26 @@ class DecoderLayer(glm4_moe.DecoderLayer):
 def read_rope_scaling(raw: RawConfig) -> tuple[float, Llama3Scaling | None]:
     """(rope_theta, Llama-3 scaling or None) from `rope_parameters` (transformers 5) or `rope_scaling`."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{raw.source}: rope_scaling must be an object, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
+    if kind not in ("default", "llama3"):
         raise CheckpointError(f"{raw.source}: rope_type {kind!r} is not supported for Llama (default, llama3)")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     try:
-        scaling = Llama3Scaling(
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope["original_max_position_embeddings"]),
-        )
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if kind == "default":
+            return theta, None
+        values = [float(rope[name]) for name in fields]
     except KeyError as missing:
         raise CheckpointError(f"{raw.source}: llama3 rope scaling without {missing.args[0]}") from None
-    return theta, scaling
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{raw.source}: llama3 rope scaling needs numbers for rope_theta and {', '.join(fields)}"
+        ) from None
+    if min(values) <= 0:
+        raise CheckpointError(f"{raw.source}: llama3 rope scaling needs positive {', '.join(fields)}, got {values}")
+    return theta, Llama3Scaling(values[0], values[1], values[2], int(values[3]))
 
 
 def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:

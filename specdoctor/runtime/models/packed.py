@@ -36,12 +36,21 @@ class PackedLinear(nn.Module):
         self._buffers.clear()
         super()._apply(fn, recurse)
         for name, part in parts.items():
-            device = fn(torch.empty(0, dtype=part.dtype, device=part.device)).device
-            self._buffers[name] = torch.empty_like(part, device=device) if part.is_meta else part.to(device)
+            if part.is_meta:  # no values to round: `fn` as for any tensor (to_empty allocates), its dtype undone
+                self._buffers[name] = fn(part).to(part.dtype)
+            else:
+                self._buffers[name] = part.to(fn(torch.empty(0, dtype=part.dtype, device=part.device)).device)
         return self
 
     def part(self, role: str) -> torch.Tensor | None:
         return self._buffers[self.roles[role]] if role in self.roles else None
+
+    def check_shape(self) -> None:
+        """A compressed-tensors weight's `weight_shape` against the shape its packed words hold (the 4-bit GEMMs
+        never read it); ValueError where they differ."""
+        shape = self.part("shape")
+        if shape is not None and tuple(shape.tolist()) != self.spec.shape:
+            raise ValueError(f"weight_shape is {tuple(shape.tolist())}, its packed words hold {self.spec.shape}")
 
     def dequantized(self) -> torch.Tensor:
         """The [out, in] weight in the dtype dequantising at load gives it."""

@@ -17,6 +17,10 @@ DecoderLayer = glm4_moe.DecoderLayer  # with use_qk_norm, full rotary and no MoE
 
 
 def read_config(raw: RawConfig, architecture: str, layout: MtpKeyLayout) -> ModelConfig:
+    if raw.get("attention_bias"):  # transformers' Qwen3 then biases o_proj too, vLLM's does not
+        raise CheckpointError(
+            f"{raw.source}: attention_bias is set; vLLM and transformers bias Qwen3's o_proj differently"
+        )
     if raw.get("use_sliding_window"):
         raise CheckpointError(f"{raw.source}: use_sliding_window is set; the runtime runs full attention only")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
