@@ -4,20 +4,26 @@ tests/runtime/test_packed_weights.py holds equal to what the ranks allocate), th
 and every process it starts (summed), the time to verdict, and whether the two reports agree.
 
     python -m benchmarks.packed_weights [--model demo-w4a16] [--pp 2] [--json runs/packed_weights.json]
+    python -m benchmarks.packed_weights --larger DIR   # a 190M-parameter GLM-4.5 that llm-compressor quantises
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from benchmarks.common import numeric_table, write_json
+from tests.conftest import make_hf_checkpoint
 from tests.helpers.peak_memory import run_measured
 from tests.helpers.reports import findings_of
+from tests.helpers.tool_env import ROOT
+from tests.quant.quant_env import QUANT
 
 MODES = ("packed", "dequantized")
 # The loaded-drafter and repair stages start from the same bytes in both runs (the fill is zeros, not whatever
@@ -25,12 +31,35 @@ MODES = ("packed", "dequantized")
 ARGS = ("--drafter-policy", "engine-legacy", "--head-policy", "engine-legacy", "--fill", "zeros", "--repair")
 
 
+# A GLM-4.5 large enough that its weights, not the processes, set the peak: 6 layers (5 MoE with 16 experts), the
+# MTP layer, hidden 1024; about 190M parameters, 0.76 GB in fp32.
+LARGER = dict(
+    vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, n_routed_experts=16,
+    num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+)  # fmt: skip
+
+
+def make_larger(directory: Path) -> Path:
+    """The LARGER model saved by transformers, then W4A16 (group 128) by llm-compressor in its own environment."""
+    quantised = directory / "w4a16"
+    if not (quantised / "config.json").exists():
+        make_hf_checkpoint(directory / "float", shard_size="200MB", **LARGER)
+        command = [str(QUANT.ensure()), "tests/quant/quantize_run.py", "w4a16", str(directory / "float"),
+                   str(quantised), "128", json.dumps([[1, 2, 3]])]  # fmt: skip
+        tool_env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools' interpreter imports the repository's scripts
+        subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=tool_env, timeout=3600)
+    return quantised
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo-w4a16")
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--larger", type=Path, help="build (once) and measure the larger model in this directory")
     parser.add_argument("--json", type=Path, default=Path("runs/packed_weights.json"))
     args = parser.parse_args()
+    if args.larger:
+        args.model = str(make_larger(args.larger))
     runs, reports = {}, {}
     for mode in MODES:
         command = [sys.executable, "-m", "specdoctor", "check", "--model", args.model, "--pp", str(args.pp), *ARGS]
