@@ -8,7 +8,9 @@ dependencies: its GEMM packing and dequantisation are plain torch.
 
 from __future__ import annotations
 
-from tests.helpers.tool_env import ToolEnv, install_main
+import os
+
+from tests.helpers.tool_env import ROOT, ToolEnv, install_main
 
 QUANT = ToolEnv(
     name="quant",
@@ -17,6 +19,7 @@ QUANT = ToolEnv(
     check="import llmcompressor, awq.modules.linear.gemm",
     env_var="SPECDOCTOR_QUANT_VENV",
 )
+TOOL_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tools' interpreter imports the repository's scripts
 
 if __name__ == "__main__":
     install_main(QUANT)

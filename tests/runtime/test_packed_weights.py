@@ -20,6 +20,7 @@ from specdoctor.runtime.partition import placements
 from specdoctor.runtime.worker import build_rank
 from tests.commands.test_check import specdoctor
 from tests.helpers.reports import findings_of
+from tests.kernels.test_kernels import random_words
 
 MODES = ("packed", "dequantized")
 
@@ -94,10 +95,6 @@ def packed_linear(weight: QuantizedWeight, parts: dict[str, torch.Tensor]) -> Pa
     return linear
 
 
-def int_words(shape, generator) -> torch.Tensor:
-    return torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64).to(torch.int32)
-
-
 @pytest.mark.parametrize("case", ["8-bit", "activation-order", "fp8-ue8m0"])
 def test_weights_without_a_kernel_of_their_own_compute_their_dequantised_product(case):
     """8-bit words and activation-ordered groups are dequantised per call, block FP8 with ue8m0 (power-of-two)
@@ -116,7 +113,7 @@ def test_weights_without_a_kernel_of_their_own_compute_their_dequantised_product
     else:
         bits, group = (8, columns) if case == "8-bit" else (4, 16)
         parts = {
-            f"{module}.weight_packed": int_words((rows, columns * bits // 32), generator),
+            f"{module}.weight_packed": random_words((rows, columns * bits // 32), generator),
             f"{module}.weight_scale": torch.rand(rows, columns // group, generator=generator).to(torch.bfloat16),
             f"{module}.weight_shape": torch.tensor([rows, columns], dtype=torch.int32),
         }
@@ -134,7 +131,7 @@ def test_a_weight_shape_its_words_do_not_hold_is_refused():
     generator = torch.Generator().manual_seed(4)
     module = "model.layers.0.mlp.up_proj"
     parts = {
-        f"{module}.weight_packed": int_words((16, 8), generator),
+        f"{module}.weight_packed": random_words((16, 8), generator),
         f"{module}.weight_scale": torch.ones(16, 4, dtype=torch.bfloat16),
         f"{module}.weight_shape": torch.tensor([16, 60], dtype=torch.int32),
     }

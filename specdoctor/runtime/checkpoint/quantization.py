@@ -174,16 +174,21 @@ def dequantize(weight: QuantizedWeight, read: Callable[[str], torch.Tensor]) -> 
     """The [out, in] floating-point weight, its parts read with `read(key)` (exact: see kernels/reference.py)."""
     part = {role: read(key) for role, key in weight.parts.items()}
     if weight.format == "pack-quantized":
-        shape = tuple(part["shape"].tolist())
-        if shape != weight.shape:
-            raise ValueError(f"weight_shape is {shape}, its packed words hold {weight.shape}; such widths are not run")
+        check_weight_shape(weight, part["shape"])
         return reference.dequantize_pack_quantized(
-            part["packed"], part["scale"], part.get("zero_point"), shape[1], weight.bits, weight.group_size,
+            part["packed"], part["scale"], part.get("zero_point"), weight.shape[1], weight.bits, weight.group_size,
             part.get("g_idx"),
         )  # fmt: skip
     if weight.format == "awq":
         return reference.dequantize_awq(part["qweight"], part["qzeros"], part["scales"], weight.group_size)
     return reference.dequantize_fp8_block(part["weight"], part["scale_inv"], weight.block, torch.float32)
+
+
+def check_weight_shape(weight: QuantizedWeight, shape: torch.Tensor) -> None:
+    """compressed-tensors' `weight_shape` against the shape the packed words hold; ValueError where they differ."""
+    stored = tuple(shape.tolist())
+    if stored != weight.shape:
+        raise ValueError(f"weight_shape is {stored}, its packed words hold {weight.shape}; such widths are not run")
 
 
 def ignored_by_config(config: dict, module: str) -> bool:

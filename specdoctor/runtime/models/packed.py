@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdoctor import kernels
-from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, dequantize
+from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, check_weight_shape, dequantize
 
 
 class PackedLinear(nn.Module):
@@ -46,11 +46,9 @@ class PackedLinear(nn.Module):
         return self._buffers[self.roles[role]] if role in self.roles else None
 
     def check_shape(self) -> None:
-        """A compressed-tensors weight's `weight_shape` against the shape its packed words hold (the 4-bit GEMMs
-        never read it); ValueError where they differ."""
-        shape = self.part("shape")
-        if shape is not None and tuple(shape.tolist()) != self.spec.shape:
-            raise ValueError(f"weight_shape is {tuple(shape.tolist())}, its packed words hold {self.spec.shape}")
+        """A compressed-tensors weight's `weight_shape` against its packed words (the 4-bit GEMMs never read it)."""
+        if self.part("shape") is not None:
+            check_weight_shape(self.spec, self.part("shape"))
 
     def dequantized(self) -> torch.Tensor:
         """The [out, in] weight in the dtype dequantising at load gives it."""
