@@ -1,7 +1,8 @@
 """Acceptance on a demo model, in the pipeline runtime, healthy at k 1-5 and for each broken loading (each
-drafter's own faults: MTP embedding and head; DSpark's also the Markov head and the taps).
+drafter's own faults: MTP embedding and head; DSpark's also the Markov head and the taps; EAGLE-3's the aux
+states).
 
-    python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid|demo-dspark] [--pp 4] [--prompts 16]
+    python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid|demo-dspark|demo-eagle3] [--pp 4] [--prompts 16]
         [--new-tokens 64] [--k 3] [--json runs/acceptance.json]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).
@@ -40,6 +41,8 @@ DSPARK_BROKEN = [
     dict(tap_policy="local-only"),
     dict(tap_policy="off-by-one"),
 ]
+EAGLE3_BROKEN = [*BROKEN, dict(tap_policy="local-only"), dict(tap_policy="off-by-one")]
+FAULTS = {"mtp": BROKEN, "dspark": DSPARK_BROKEN, "eagle3": EAGLE3_BROKEN}  # by the drafter kind's name
 
 
 def label(faults: dict) -> str:
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--k", type=int, default=None, help="draft tokens of the broken rows (default: 5 for DSpark, else 3)"
+        "--k", type=int, default=None, help="draft tokens of the broken rows (default: the drafter kind's own)"
     )
     parser.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
     args = parser.parse_args()
@@ -65,11 +68,11 @@ def main() -> None:
     rows = []
     with Engine(RuntimeOptions(args.model, pp=args.pp), show_progress=True) as engine:
         plain = engine.generate(prompts, args.new_tokens).tokens
-        broken_k = args.k or (5 if engine.drafter.drafts_in_blocks else 3)
+        broken_k = args.k or engine.drafter.default_speculative_tokens()
         for k in range(1, 6):
             result = engine.generate(prompts, args.new_tokens, num_speculative_tokens=k)
             rows.append(("fixed", k, result.tokens == plain, result.metrics.to_dict()))
-        faults = DSPARK_BROKEN if engine.drafter.drafts_in_blocks else BROKEN
+        faults = FAULTS[engine.drafter.name]
     for fault in faults:
         with Engine(RuntimeOptions(args.model, pp=args.pp, **fault), show_progress=True) as engine:
             try:

@@ -1,10 +1,10 @@
 """Time to verdict: `specdoctor check --model demo --pp 4 --repair` as a user runs it, process
 start-up included, stage by stage, with the before/after table it reports.
 
-    python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid|demo-dspark] [--pp 4] [--k K]
+    python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid|demo-dspark|demo-eagle3] [--pp 4] [--k K]
         [--json runs/check_demo.json]
 
---k defaults to check's own default: 3, or a block drafter's block size.
+--k defaults to check's own default: 3, a block drafter's block size, or an EAGLE-3 head's proposal length.
 """
 
 from __future__ import annotations

@@ -81,6 +81,19 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
                 stats,
             )
         )
+    if "checkpoint_shape" in stats:
+        findings.append(
+            Finding(
+                "drafter.fingerprint",
+                "error",
+                f"drafter {name} has shape {tuple(stats['shape'])}, not {stats['checkpoint_key']}'s "
+                f"{tuple(stats['checkpoint_shape'])}: another tensor is in its place",
+                "the engine put another tensor (the target's head over a pruned draft head?) where the checkpoint's "
+                "belongs; repair it",
+                stage,
+                stats,
+            )
+        )
     if stats.get("mismatched_rows"):
         findings.append(
             Finding(

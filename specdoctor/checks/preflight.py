@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdoctor.checks.dspark import dspark_preflight
+from specdoctor.checks.eagle3 import eagle3_preflight
 from specdoctor.checks.mtp import mtp_preflight
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
@@ -13,7 +14,7 @@ from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.partition import Placement
 
 # Each drafter kind's own pre-flight, by the kind's name (runtime/drafter/kinds.py).
-KIND_PREFLIGHT = {"mtp": mtp_preflight, "dspark": dspark_preflight}
+KIND_PREFLIGHT = {"mtp": mtp_preflight, "dspark": dspark_preflight, "eagle3": eagle3_preflight}
 
 
 def preflight(checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterKind | None = None) -> list[Finding]:

@@ -8,8 +8,9 @@ from specdoctor.report import Finding
 TAP_HINTS = {
     "zeros": "the engine must send each rank's taps on with the hidden states (vLLM 0.32: "
     "supports_aux_hidden_states_over_pp); a tap read where its layer does not run is zeros",
-    "entry": "the tap holds another layer's state: DSpark's target_layer_ids name a layer's output, which vLLM "
-    "captures as aux entry id + 1 (EAGLE-3's ids name a layer's input)",
+    "entry": "the engine captures other states than the drafter's config names: DSpark's target_layer_ids name a "
+    "layer's output, which vLLM captures as entry id + 1; EAGLE-3's aux ids name the state entering a layer, with "
+    "no + 1; ids the engine does not read are replaced by its default (2, L // 2, L - 3)",
     "unknown": "the tap matches no layer's output on the probe: the engine feeds the drafter something else",
 }
 

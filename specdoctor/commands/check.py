@@ -24,7 +24,7 @@ from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptio
 from specdoctor.workflow.check import CheckOptions, run_check
 
 # What an unpatched engine does with this checkpoint at this PP size; the draft tokens are resolved once
-# the drafter is known (a DSpark drafter's block size, else 3).
+# the drafter is known (a DSpark drafter's block size, an EAGLE-3 head's proposal length, else 3).
 CHECK_DEFAULTS = dict(
     num_speculative_tokens=None, drafter_policy=EmbeddingPolicy.ENGINE_LEGACY, head_policy=HeadPolicy.ENGINE_LEGACY
 )

@@ -131,6 +131,38 @@ def dense_attention_fields(raw: RawConfig) -> dict:
     )
 
 
+class DraftLayersConfig:
+    """What a drafter checkpoint's config (DSpark, EAGLE-3) answers from its draft layers' config, `backbone`."""
+
+    backbone: ModelConfig
+    target_hidden_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.backbone.num_hidden_layers
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        return []  # a drafter checkpoint has no MTP layers (the shared quantisation pre-flight reads this)
+
+    def size_problems(self, target: ModelConfig) -> list[str]:
+        """Its vocabulary and the hidden size its fc reads, against the target's (vLLM fails at load on each)."""
+        problems = []
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} differs from the target's {target.vocab_size}")
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(f"target_hidden_size {self.target_hidden_size} is not the target's {target.hidden_size}")
+        return problems
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

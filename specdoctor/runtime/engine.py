@@ -55,6 +55,8 @@ class Engine:
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
         self.drafter = open_drafter(self.checkpoint, options.model, options.speculative_model)
+        if self.drafter and self.drafter.taps:
+            self.drafter.engine_taps(options.tap_policy)
         self.speculates = self.drafter is not None
         self.placements = placements(self.config, options.pp, options.pp_partition, has_drafter=self.speculates)
         # Ranks open the resolved directories ("demo" and Hugging Face ids resolved once, here).

@@ -35,6 +35,16 @@ class HeadPolicy(Choice):
     FIXED = "fixed"
     ENGINE_LEGACY = "engine-legacy"
     UNLOADED = "unloaded"
+    # The target's lm_head in place of the drafter's own, even where it ships one: for a reduced draft
+    # vocabulary, logits over the whole vocabulary that d2t never maps (vllm-ascend#11374).
+    TARGET = "target"
+
+
+class D2tPolicy(Choice):
+    """How an EAGLE-3 head's draft-to-target id map (`d2t`, for a reduced draft vocabulary) is loaded."""
+
+    FIXED = "fixed"
+    IGNORED = "ignored"  # left at vLLM's zeros: draft id i is taken as target id i
 
 
 class Fill(Choice):
@@ -51,7 +61,10 @@ class TapPolicy(Choice):
 
     FIXED = "fixed"  # each rank sends its taps on with the hidden states (vLLM 0.32)
     LOCAL_ONLY = "local-only"  # not relayed: the drafter's rank reads zeros for layers it does not own
-    OFF_BY_ONE = "off-by-one"  # target_layer_ids taken as capture points without vLLM's + 1: one layer early
+    # The ids misread by one layer: DSpark's taken without vLLM's + 1 (a layer's input, not its output);
+    # EAGLE-3's, entries already, given the + 1 again (sglang#25454: one layer late).
+    OFF_BY_ONE = "off-by-one"
+    ENGINE_DEFAULT = "engine-default"  # the config's ids ignored: vLLM's default (2, L // 2, L - 3) (vllm#50170)
 
 
 class QuantizedWeights(Choice):
@@ -117,7 +130,7 @@ class RuntimeOptions:
     speculative_model: str | None = option(
         None,
         "--speculative-model",
-        help="A drafter checkpoint of its own (DSpark); the DSpark demo brings one (default for --model demo-dspark).",
+        help="A drafter checkpoint of its own (DSpark, EAGLE-3); the DSpark demo brings its own.",
     )
     tokenizer: str | None = option(
         None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."
@@ -150,7 +163,12 @@ class RuntimeOptions:
     head_policy: HeadPolicy = option(HeadPolicy.FIXED, "--head-policy", help="How the drafter's head is loaded.")
     fill: Fill = option(Fill.EMPTY, "--fill", help="What unloaded drafter memory holds.")
     tap_policy: TapPolicy = option(
-        TapPolicy.FIXED, "--tap-policy", help="Block drafters: how the tapped target hidden states reach the drafter."
+        TapPolicy.FIXED,
+        "--tap-policy",
+        help="DSpark and EAGLE-3: which target hidden states are tapped, and how they reach the drafter.",
+    )
+    d2t_policy: D2tPolicy = option(
+        D2tPolicy.FIXED, "--d2t-policy", help="EAGLE-3 with a reduced draft vocabulary: its d2t map's loading."
     )
     markov_policy: MarkovPolicy = option(
         MarkovPolicy.FIXED, "--markov-policy", help="DSpark: its Markov head's loading."
@@ -213,13 +231,13 @@ MTP_METHODS = (
 )
 
 
-# vLLM's method for the block drafters the runtime runs (a separate checkpoint, given as "model").
-BLOCK_METHODS = ("dspark",)
+# vLLM's methods for the drafters of a checkpoint of their own the runtime runs (given as "model").
+CHECKPOINT_METHODS = ("dspark", "eagle3")
 
 
 def options_from_speculative_config(text: str) -> dict:
     """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens, and, if given,
-    draft_sample_method and the drafter checkpoint ("model", with method dspark). Keys the runtime cannot
+    draft_sample_method and the drafter checkpoint ("model", with method dspark or eagle3). Keys the runtime cannot
     honour are refused, not ignored."""
     import json
 
@@ -236,16 +254,16 @@ def options_from_speculative_config(text: str) -> dict:
             "num_speculative_tokens and draft_sample_method)"
         )
     method = config.get("method", "mtp")
-    if method not in MTP_METHODS + BLOCK_METHODS:
+    if method not in MTP_METHODS + CHECKPOINT_METHODS:
         raise SpecdoctorError(
             f"--speculative-config: method {method!r} is not run (MTP methods: {', '.join(MTP_METHODS)}; "
-            f"block drafters: {', '.join(BLOCK_METHODS)})"
+            f"drafter checkpoints: {', '.join(CHECKPOINT_METHODS)})"
         )
-    if (method in BLOCK_METHODS) != ("model" in config):
+    if (method in CHECKPOINT_METHODS) != ("model" in config):
         raise SpecdoctorError(
             f"--speculative-config: method {method!r} "
-            + ("needs" if method in BLOCK_METHODS else "takes no")
-            + ' "model" (a DSpark drafter is a checkpoint of its own; an MTP drafter is the target\'s)'
+            + ("needs" if method in CHECKPOINT_METHODS else "takes no")
+            + ' "model" (DSpark and EAGLE-3 drafters are checkpoints of their own; an MTP drafter is the target\'s)'
         )
     k = config.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int):

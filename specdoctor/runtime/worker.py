@@ -72,7 +72,9 @@ def build_rank(
     )
     route = None
     if kind and kind.taps:  # the taps this rank captures and moves on (runtime/drafter/taps.py)
-        route = tap_route(kind.taps, options.tap_policy, placement, [r.layers for r in ranks])
+        route = tap_route(
+            kind.engine_taps(options.tap_policy), options.tap_policy, placement, [r.layers for r in ranks]
+        )
         stage.tap_entries = route.own
     drafter, provenance = None, Provenance()
     if placement.has_drafter:

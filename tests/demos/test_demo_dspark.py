@@ -11,30 +11,13 @@ from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
-from specdoctor.runtime.decode.batch import decode_batch
-from specdoctor.runtime.decode.requests import GenerateRequest
-from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
+from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
 from tests.demos.test_demo_runtime import NEW_TOKENS, TEXTS
 
 DEMO = "demo-dspark"
 SIZE_LIMIT = 15_000_000  # target and drafter together (the issue's bar)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return [TextCodec(DEMO_MODELS[DEMO] / "tokenizer.json").encode(text) for text in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def single_process(prompts):
-    """PP = 1 in this process: plain greedy tokens and the speculative results for block sizes 1-5."""
-    model, _ = load_rank(RuntimeOptions(DEMO), 0)
-    results = {k: decode_batch(model, GenerateRequest(prompts, NEW_TOKENS, num_speculative_tokens=k)) for k in range(6)}
-    model.comm.close()
-    return results
 
 
 def test_ships_as_a_target_and_a_drafter_checkpoint_within_the_size_limit():

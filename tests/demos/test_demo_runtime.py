@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.decode.batch import decode_batch
@@ -24,18 +24,17 @@ TEXTS = [
     "    return '%s(%r)' % (self.__class__",
 ]
 NEW_TOKENS = 40
+DEMO = "demo"  # the demo whose prompts and one-process results the module's fixtures give (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    codec = TextCodec(DEMO_DIR / "tokenizer.json")
+def demo_prompts(demo: str) -> list[list[int]]:
+    codec = TextCodec(DEMO_MODELS[demo] / "tokenizer.json")
     return [codec.encode(text) for text in TEXTS]
 
 
-@pytest.fixture(scope="module")
-def single_process(prompts):
-    """PP = 1 in this process: plain greedy tokens and the speculative results for k = 1..5."""
-    model, _ = load_rank(RuntimeOptions("demo"), 0)
+def one_process(demo: str, prompts: list[list[int]]) -> dict:
+    """PP = 1 in this process: plain greedy tokens (k = 0) and the speculative results for k = 1..5."""
+    model, _ = load_rank(RuntimeOptions(demo), 0)
     results = {k: decode_batch(model, GenerateRequest(prompts, NEW_TOKENS, num_speculative_tokens=k)) for k in range(6)}
     model.comm.close()
     return results
@@ -74,7 +73,7 @@ def test_a_zero_filled_embedding_drafts_exactly_like_a_zeroed_enorm(prompts, sin
     """enorm(0) = 0 = enorm with zero weights applied to any embedding: the two drafters are the same function,
     so tokens, drafts and acceptance are identical, whatever the numbers are."""
     source, zero_filled = legacy_run(prompts, "zeros")
-    copy = zeroed_enorm_copy(DEMO_DIR, tmp_path / "zeroed", layer=4)
+    copy = zeroed_enorm_copy(DEMO_MODELS["demo"], tmp_path / "zeroed", layer=4)
     _, zeroed_enorm = legacy_run(prompts, "empty", str(copy), policy="fixed")
     assert source == "unfilled:zeros"
     assert zero_filled.tokens == zeroed_enorm.tokens == single_process[0].tokens

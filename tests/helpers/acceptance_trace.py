@@ -65,3 +65,30 @@ def block_acceptance(
         accepted += (drafts == truth).int().cumprod(1).sum(0).float()
         anchors += rows
     return (accepted / max(anchors, 1)).tolist()
+
+
+@torch.no_grad()
+def chain_acceptance(target: TargetStage, drafter, prompts: list[list[int]], new_tokens: int, k: int) -> list[float]:
+    """Per-position acceptance rates of a chain drafter reading taps (EAGLE-3) over each greedy continuation: from
+    every position of it, k greedy drafts through the drafter's own `draft` (step 0 over the whole sequence, then
+    the chain from that position), the share whose first i + 1 drafts all equal the trace."""
+    continuations = greedy_generate(target, prompts, new_tokens)
+    accepted, bases = torch.zeros(k), 0
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        sequence = torch.tensor(prompt + continuation)  # [L]
+        length = len(sequence)
+        positions = torch.arange(length)[None]
+        _, captured = target.forward_with_taps(sequence[None], positions)
+        taps = torch.stack([captured[entry] for entry in target.tap_entries], dim=2)  # [1, L, taps, H]
+        starts = torch.arange(len(prompt) - 1, length - k - 1)  # the trace continues k + 1 tokens after each
+        rows = len(starts)
+        cache = drafter.new_cache(rows, length + k, taps.dtype, taps.device)
+        next_tokens = torch.cat([sequence[1:], sequence.new_zeros(1)])[None].expand(rows, -1)
+        chain = drafter.draft(next_tokens, taps.expand(rows, -1, -1, -1), positions.expand(rows, -1), starts, cache, k)
+        drafts = [next(chain).argmax(-1)]
+        for _ in range(k - 1):
+            drafts.append(chain.send(drafts[-1]).argmax(-1))
+        truth = sequence[starts[:, None] + 2 + torch.arange(k)]
+        accepted += (torch.stack(drafts, 1) == truth).int().cumprod(1).sum(0).float()
+        bases += rows
+    return (accepted / max(bases, 1)).tolist()

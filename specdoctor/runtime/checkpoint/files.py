@@ -36,11 +36,12 @@ DEMO_MODELS = {
         ("demo-hybrid", "demo_hybrid_model"),
         ("demo-w4a16", "demo_w4a16_model"),
         ("demo-dspark", "demo_dspark_model"),
+        ("demo-eagle3", "demo_dspark_model"),  # the same Qwen3 target, with an EAGLE-3 head instead
     )
 }
 
 
-DEMO_DRAFTERS = {"demo-dspark": PACKAGE_DIR / "demo_dspark_drafter"}
+DEMO_DRAFTERS = {"demo-dspark": PACKAGE_DIR / "demo_dspark_drafter", "demo-eagle3": PACKAGE_DIR / "demo_eagle3_drafter"}
 
 
 DEMO_DIR = DEMO_MODELS["demo"]

@@ -10,36 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
-from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, DrafterKind
-from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
-from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems, read_dspark_config
+from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
+from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
+from specdoctor.runtime.drafter.policy import Placer, Provenance
+from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems
 from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import HeadPolicy, MarkovPolicy, RuntimeOptions
+from specdoctor.runtime.options import MarkovPolicy, RuntimeOptions
 
-HEAD = "lm_head.weight"  # with the embedding, what the target supplies unless the drafter ships it
 MARKOV = "markov_head."
 CONFIDENCE = "confidence_head."
 
 
-class DrafterCheckpoint(Checkpoint):
-    """A drafter that is a checkpoint of its own (DSpark, runtime/models/dspark.py): a config the runtime runs
-    or refuses outright, and its own tensors."""
-
-    what = "drafter"
-
-    @staticmethod
-    def read_config(raw, source: str):
-        return read_dspark_config(raw, source)
-
-    def unrunnable_reason(self) -> str | None:
-        return self.quantization_refusal()
-
-
-class DSparkKind(DrafterKind):
+class DSparkKind(OwnCheckpointKind):
     """A DSpark block drafter: a checkpoint of its own that reads taps of the target's layers and drafts its
     whole block in one pass, on the last rank."""
 
@@ -47,14 +31,7 @@ class DSparkKind(DrafterKind):
     label = "DSpark drafter"
     stats_parts = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "fc", "hidden_norm")
     drafts_in_blocks = True
-
-    def __init__(self, target: Checkpoint, drafter: DrafterCheckpoint):
-        super().__init__(target)
-        self.drafter = drafter
-
-    @property
-    def checkpoint(self) -> DrafterCheckpoint:
-        return self.drafter
+    misread_shift = -1  # target_layer_ids taken as entries without vLLM's + 1: each layer's input
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -64,22 +41,8 @@ class DSparkKind(DrafterKind):
         """vLLM's default for a DSpark drafter is its block size."""
         return self.drafter.config.block_size or DEFAULT_SPECULATIVE_TOKENS
 
-    def unrunnable_reason(self) -> str | None:
-        problems = pairing_problems(self.drafter.config, self.target.config)
-        pairing = f"the drafter cannot draft for this target: {problems[0]}" if problems else None
-        return self.drafter.unrunnable_reason() or pairing
-
-    def require_runnable(self) -> None:
-        target, drafter = self.target, self.drafter
-        if target.config.num_nextn_predict_layers:
-            raise CheckpointError(
-                f"{target.path}: the target has its own MTP layers; a drafter checkpoint ({drafter.path}) is not "
-                "run beside them"
-            )
-        problems = pairing_problems(drafter.config, target.config)
-        if problems:
-            raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
-        drafter.require_runnable()
+    def problems(self) -> list[str]:
+        return pairing_problems(self.drafter.config, self.target.config)
 
     def config_summary(self) -> dict:
         config = self.drafter.config
@@ -97,13 +60,6 @@ class DSparkKind(DrafterKind):
         if module.config.confidence_head and not any(key.startswith(CONFIDENCE) for key in self.drafter.tensors):
             del module.confidence_head  # vLLM drops a configured head the checkpoint does not ship
         return module
-
-    def expected_source(self, name: str) -> Source:
-        """The drafter's own tensor, else (embedding and head) the target's."""
-        drafter, target = self.drafter, self.target
-        if name in drafter.tensors or name not in (EMBEDDING, HEAD):
-            return drafter, name
-        return target, target_embedding_key(target) if name == EMBEDDING else target_head_key(target)
 
     def build(
         self, stage: TargetStage, options: RuntimeOptions, device: torch.device
@@ -127,11 +83,6 @@ class DSparkKind(DrafterKind):
                 place.leave_unloaded(module, stage.lm_head)
         target = self.target
         place.embedding(self.own_source(EMBEDDING), (target, target_embedding_key(target)), own_copy_first=True)
-        # vLLM 0.32 shares the target's lm_head at any PP size: engine-legacy loads it as fixed does.
-        policy = HeadPolicy.UNLOADED if options.head_policy == HeadPolicy.UNLOADED else HeadPolicy.FIXED
-        place.head("lm_head", self.own_source(HEAD), (target, target_head_key(target)), policy)
+        place.head("lm_head", self.own_source(HEAD), (target, target_head_key(target)), self.head_policy(options))
         materialize(drafter, device)
         return drafter.eval(), provenance
-
-    def own_source(self, name: str) -> Source | None:
-        return (self.drafter, name) if name in self.drafter.tensors else None

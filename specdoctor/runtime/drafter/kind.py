@@ -17,14 +17,16 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from specdoctor.errors import CheckpointError
+from specdoctor.errors import CheckpointError, SpecdoctorError
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import Provenance, Source
+from specdoctor.runtime.drafter.taps import policy_entries
 from specdoctor.runtime.models.stage import TargetStage
-from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.options import RuntimeOptions, TapPolicy
 
 EMBEDDING = "embed_tokens.weight"  # every kind's token embedding parameter
+HEAD = "lm_head.weight"  # a drafter checkpoint's head: with the embedding, the target's unless it ships its own
 DEFAULT_SPECULATIVE_TOKENS = 3  # check's k where a kind names no default of its own
 
 
@@ -54,6 +56,7 @@ class DrafterKind(ABC):
     # Parts whose full statistics are worth a pass in the content check (every tensor is fingerprinted).
     stats_parts: ClassVar[tuple[str, ...]]
     drafts_in_blocks: ClassVar[bool] = False  # the whole block in one pass: its block shape is worth reading
+    misread_shift: ClassVar[int] = 0  # where `--tap-policy off-by-one` lands for this kind's id convention
 
     def __init__(self, target: Checkpoint):
         self.target = target
@@ -76,6 +79,18 @@ class DrafterKind(ABC):
     def taps(self) -> tuple[int, ...]:
         """Residual-stream entries of the target it reads (entry j enters layer j); () for the final-normed state."""
         return ()
+
+    def engine_taps(self, policy: TapPolicy) -> tuple[int, ...]:
+        """The entries an engine following `policy` captures for this drafter, in its fc order. An engine that
+        captures fewer distinct states than the drafter reads fails at its first draft step: refused here."""
+        entries = policy_entries(self.taps, policy, self.misread_shift, self.target.config.num_hidden_layers)
+        if len(entries) != len(self.taps):
+            raise SpecdoctorError(
+                f"--tap-policy {policy}: the engine would capture {len(entries)} distinct states {list(entries)} of "
+                f"this {self.target.config.num_hidden_layers}-layer target where the drafter reads {len(self.taps)}; "
+                "it fails at its first draft step"
+            )
+        return entries
 
     def default_speculative_tokens(self) -> int:
         return DEFAULT_SPECULATIVE_TOKENS

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS, resolve_model_path
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import DrafterCheckpoint, DSparkKind
+from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
+from specdoctor.runtime.drafter.dspark import DSparkKind
+from specdoctor.runtime.drafter.eagle3 import Eagle3Kind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, DrafterKind
 from specdoctor.runtime.drafter.mtp import MtpKind
+from specdoctor.runtime.models.eagle3 import Eagle3Config
 
 
 def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | None:
@@ -15,6 +18,8 @@ def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | 
     directory), else None."""
     if speculative_model is not None:
         return speculative_model
+    if model in DEMO_DRAFTERS:  # named: demo-dspark and demo-eagle3 share a target directory
+        return str(DEMO_DRAFTERS[model])
     path = resolve_model_path(model)
     found = next(
         (DEMO_DRAFTERS[name] for name, demo in DEMO_MODELS.items() if demo == path and name in DEMO_DRAFTERS), None
@@ -27,7 +32,8 @@ def drafter_kind(target: Checkpoint, model: str, speculative_model: str | None) 
     drafter the runtime refuses); None when the target has nothing to draft with."""
     path = drafter_checkpoint_path(model, speculative_model)
     if path is not None:
-        return DSparkKind(target, DrafterCheckpoint(path))
+        drafter = DrafterCheckpoint(path)
+        return (Eagle3Kind if isinstance(drafter.config, Eagle3Config) else DSparkKind)(target, drafter)
     if target.config.num_nextn_predict_layers:
         return MtpKind(target)
     return None

@@ -88,7 +88,8 @@ def chunked_stats(tensor: torch.Tensor) -> dict[str, float]:
 
 
 def fingerprint_mismatch(checkpoint: Checkpoint, key: str, loaded: torch.Tensor) -> tuple[int, int]:
-    """(mismatching, compared) rows between the loaded tensor and rows read from the checkpoint."""
+    """(mismatching, compared) rows between the loaded tensor and rows read from the checkpoint (the caller
+    compares shapes first)."""
     if loaded.dim() == 1:
         expected = checkpoint.read(key).to(loaded.dtype)
         return int(not torch.equal(loaded.detach().cpu(), expected)), 1
@@ -107,19 +108,24 @@ def measure_drafter(model) -> DrafterState:
     state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled())
     kind = model.kind
     for name in kind.tensor_names():
-        module_name, leaf = name.rsplit(".", 1)
+        module_name, _, leaf = name.rpartition(".")  # a tensor of the drafter itself (EAGLE-3's d2t) has no module
         module = model.drafter.get_submodule(module_name)
-        if not has_real_weight(module):
+        if leaf == "weight" and not has_real_weight(module):
             output = module(torch.arange(3, device=device)[None])
             echoed = isinstance(output, torch.Tensor) and not output.is_floating_point()
             state.placeholders[name] = Placeholder(type(module).__name__, echoed)
             continue
         tensor = getattr(module, leaf)
-        stats = tensor_stats(tensor) if module_name.endswith(kind.stats_parts) else {"numel": tensor.numel()}
+        measured = module_name.endswith(kind.stats_parts) and tensor.is_floating_point()
+        stats = tensor_stats(tensor) if measured else {"numel": tensor.numel()}
         source = kind.expected_source(name)
         if source is not None:
             checkpoint, key = source
-            stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, tensor)
             stats["checkpoint_key"] = key
+            expected = tuple(checkpoint.tensors[key].shape)
+            if tuple(tensor.shape) != expected:  # another tensor in its place (a head of another vocabulary)
+                stats["shape"], stats["checkpoint_shape"] = list(tensor.shape), list(expected)
+            else:
+                stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, tensor)
         state.tensors[name] = stats
     return state

@@ -28,6 +28,8 @@ Head policies (--head-policy):
                     whose checkpoint has no own MTP head, got NaN logits and 0 of 279 drafts accepted. A kind
                     or layout every engine loads `lm_head` for (Qwen's `mtp.*`, DSpark) maps it to fixed.
   unloaded          left as allocated even when the checkpoint ships it: the same symptom, forced.
+  target            the target's lm_head even where the drafter ships its own: over an EAGLE-3 head's reduced
+                    draft vocabulary, vllm-ascend#11374 (acceptance 25 % -> 1.7 %).
 What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another weight's bytes).
 """
 
@@ -123,11 +125,13 @@ class Placer:
     def head(self, module: str, own: Source | None, target: Source, policy: HeadPolicy) -> None:
         """A drafter head `module`: its `own` tensor where shipped, else the target's `lm_head` (the stage's
         module, which the drafter's rank holds, or `target` in its checkpoint)."""
-        if policy != HeadPolicy.UNLOADED and own:
+        if policy == HeadPolicy.TARGET and has_real_weight(self.stage.lm_head):
+            self.alias(module, self.stage.lm_head, "lm_head")
+        elif policy not in (HeadPolicy.UNLOADED, HeadPolicy.TARGET) and own:
             self.load(module, own)
         elif policy == HeadPolicy.FIXED and has_real_weight(self.stage.lm_head):
             self.alias(module, self.stage.lm_head, "lm_head")
-        elif policy == HeadPolicy.FIXED:
+        elif policy in (HeadPolicy.FIXED, HeadPolicy.TARGET):
             self.load(module, target)
         else:
             self.leave_unloaded(module, self.drafter.embed_tokens)

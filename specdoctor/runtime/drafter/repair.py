@@ -109,8 +109,13 @@ def repair_drafter(model, names: list[str], tp_size: int = 1, tp_rank: int = 0) 
             if tp_size > 1:
                 result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight, tp_size, tp_rank)
         else:
-            module = drafter.get_submodule(name.removesuffix(".weight"))
-            load_module(module, checkpoint, lambda _name, key=key: key)
+            owner, _, leaf = name.rpartition(".")
+            if model.provenance.sources.get(name, "").startswith("alias:"):  # never write into the target's tensor
+                rows, columns = checkpoint.tensors[key].shape
+                drafter.set_submodule(owner, nn.Linear(columns, rows, bias=False, device=device, dtype=dtype))
+            load_module(
+                drafter.get_submodule(owner), checkpoint, lambda part, leaf=leaf, key=key: key if part == leaf else None
+            )
         model.provenance.sources[name] = f"checkpoint:{key}"
         result.repaired[name] = key
     result.bytes_read = sum(c.bytes_read for c in checkpoints) - before

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdoctor.runtime.models.eagle3 import engine_default_entries
 from specdoctor.runtime.options import TapPolicy
 from specdoctor.runtime.partition import Placement
 
@@ -24,10 +25,15 @@ def entry_owner(entry: int, layers: list[range]) -> int:
     return next(rank for rank, owned in enumerate(layers) if owned.start < entry <= owned.stop)
 
 
-def policy_entries(tap_entries: tuple[int, ...], policy: TapPolicy) -> tuple[int, ...]:
-    """The entries an engine following `policy` captures for a drafter that reads `tap_entries`."""
-    if policy == TapPolicy.OFF_BY_ONE:  # the ids taken without vLLM's + 1: each layer's input, not its output
-        return tuple(sorted({max(entry - 1, 0) for entry in tap_entries}))
+def policy_entries(
+    tap_entries: tuple[int, ...], policy: TapPolicy, misread_shift: int, num_target_layers: int
+) -> tuple[int, ...]:
+    """The entries an engine following `policy` captures for a drafter that reads `tap_entries`.
+    `misread_shift`: where the off-by-one engine lands for this kind's id convention."""
+    if policy == TapPolicy.OFF_BY_ONE:
+        return tuple(sorted({min(max(entry + misread_shift, 0), num_target_layers) for entry in tap_entries}))
+    if policy == TapPolicy.ENGINE_DEFAULT:
+        return engine_default_entries(num_target_layers)
     return tap_entries
 
 
@@ -53,8 +59,8 @@ class TapRoute:
         return torch.stack([arrived.get(entry, torch.zeros_like(like)) for entry in self.entries], dim=2)
 
 
-def tap_route(tap_entries: tuple[int, ...], policy: TapPolicy, placement: Placement, layers: list[range]) -> TapRoute:
-    entries = policy_entries(tap_entries, policy)
+def tap_route(entries: tuple[int, ...], policy: TapPolicy, placement: Placement, layers: list[range]) -> TapRoute:
+    """`entries`: what the engine captures (`policy_entries`), in the drafter's fc order."""
     owners = [entry_owner(entry, layers) for entry in entries]
     relayed = policy != TapPolicy.LOCAL_ONLY
     upstream = sum(owner < placement.rank for owner in owners) if relayed else 0

@@ -18,16 +18,17 @@ class Attention(FusedWeights):
 
     output_bias = False  # whether `attention_bias` also gives o_proj a bias (GLM-4.5's does not)
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, input_size: int | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        width = input_size or hidden  # wider where a layer reads more than the residual stream (EAGLE-3's first)
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias and self.output_bias)
         if config.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -16,7 +16,7 @@ from torch import nn
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import NO_MTP
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
-from specdoctor.runtime.config import ModelConfig, RawConfig
+from specdoctor.runtime.config import DraftLayersConfig, ModelConfig, RawConfig
 from specdoctor.runtime.models import qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.rope import apply_rotary, rotary_cos_sin
@@ -27,7 +27,7 @@ ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(DraftLayersConfig):
     architecture: str
     backbone: ModelConfig  # the draft layers, as a Qwen3 config (its vocabulary is the target's)
     layer_ids: tuple[int, ...]  # target_layer_ids as config.json lists them (0-based target layers)
@@ -42,22 +42,6 @@ class DSparkConfig:
     logit_scale: float
     confidence_head: bool
     confidence_with_markov: bool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.backbone.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.backbone.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.backbone.num_hidden_layers
-
-    @property
-    def mtp_layer_ids(self) -> list[int]:
-        return []  # a drafter checkpoint has no MTP layers (the shared quantisation pre-flight reads this)
 
     def validate(self, source: str) -> None:
         self.backbone.validate(source)
@@ -150,11 +134,7 @@ def read_dspark_config(raw, source: str = "config.json") -> DSparkConfig:
 
 def pairing_problems(drafter: DSparkConfig, target: ModelConfig) -> list[str]:
     """Why this drafter cannot draft for this target (vLLM fails at load or at the first step on each)."""
-    problems = []
-    if drafter.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {drafter.vocab_size} differs from the target's {target.vocab_size}")
-    if drafter.target_hidden_size != target.hidden_size:
-        problems.append(f"target_hidden_size {drafter.target_hidden_size} is not the target's {target.hidden_size}")
+    problems = drafter.size_problems(target)
     outside = [e - 1 for e in drafter.tap_entries if not 0 <= e <= target.num_hidden_layers]
     if outside:
         problems.append(f"target_layer_ids {outside} lie outside the target's {target.num_hidden_layers} layers")

@@ -13,6 +13,21 @@ from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
 
 
+def draft_chain(step, next_tokens, hidden, positions, base, cache: KVCache, k: int):
+    """A chain drafter's proposal (MTP, EAGLE-3): yields each draft's logits [B, V]; send() back each picked
+    token [B]. Step 0 runs `step` over every new position (next_tokens, hidden [B, T, H], positions [B, T]:
+    filling the cache), then the chain goes on from `base` [B], the last accepted position, each step fed
+    its own output state and proposal. `step(tokens, hidden, positions, cache)` -> (state, logits)."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    out, logits = step(next_tokens, hidden, positions, cache=cache)
+    out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
+    for _ in range(k):
+        token = yield logits
+        position = position + 1
+        out, step_logits = step(token[:, None], out, position, cache=cache)
+        logits = step_logits[:, 0]
+
+
 class MtpDrafter(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -26,17 +41,7 @@ class MtpDrafter(nn.Module):
         return new_cache(config, config.mtp_layer_ids, batch, max_len, dtype, device, drafter=True)
 
     def draft(self, next_tokens, hidden, positions, base, cache: KVCache, k: int):
-        """Yields each draft's logits [B, V]; send() back each picked token [B]. Step 0 runs over every new
-        position (next_tokens, hidden [B, T, H], positions [B, T]: filling the cache), then the chain goes on
-        from `base` [B], the last accepted position, each step fed its own hidden state and proposal."""
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        out, logits = self(next_tokens, hidden, positions, cache=cache)
-        out, logits, position = out[rows, base][:, None], logits[rows, base], positions[rows, base][:, None]
-        for _ in range(k):
-            token = yield logits
-            position = position + 1
-            out, step_logits = self(token[:, None], out, position, cache=cache)
-            logits = step_logits[:, 0]
+        return draft_chain(self, next_tokens, hidden, positions, base, cache, k)
 
     def forward(
         self,

@@ -13,7 +13,7 @@ import torch
 from specdoctor.checks.drafter import drafter_findings
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.dspark import DrafterCheckpoint
+from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
 from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.models.dspark import read_dspark_config

@@ -1,0 +1,90 @@
+"""A drafter that is a checkpoint of its own: a DSpark block drafter or an EAGLE-3 head, told apart by its
+config.json (runtime/models/dspark.py, runtime/models/eagle3.py)."""
+
+from __future__ import annotations
+
+from specdoctor.errors import CheckpointError
+from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.kind import EMBEDDING, HEAD, DrafterKind
+from specdoctor.runtime.drafter.policy import Source
+from specdoctor.runtime.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
+from specdoctor.runtime.models.dspark import is_dspark_config, read_dspark_config
+from specdoctor.runtime.models.eagle3 import ORIGINAL_ARCHITECTURES, is_eagle3_config, read_eagle3_config
+from specdoctor.runtime.options import HeadPolicy, RuntimeOptions
+
+
+class DrafterCheckpoint(Checkpoint):
+    """A drafter checkpoint: a config the runtime runs or refuses outright, and its own tensors."""
+
+    what = "drafter"
+
+    @staticmethod
+    def read_config(raw, source: str):
+        if isinstance(raw, dict) and is_eagle3_config(raw):
+            return read_eagle3_config(raw, source)
+        if isinstance(raw, dict) and not is_dspark_config(raw):
+            found = (raw.get("architectures") or ["none"])[0]
+            raise CheckpointError(
+                f"{source}: not a drafter the runtime runs (architectures {found!r}; expected a DSpark drafter, "
+                f"{' or '.join(DSPARK_ARCHITECTURES)} with model_type qwen3, or an EAGLE-3 head, "
+                f'{" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3")'
+            )
+        return read_dspark_config(raw, source)
+
+    def unrunnable_reason(self) -> str | None:
+        return self.quantization_refusal()
+
+
+class OwnCheckpointKind(DrafterKind):
+    """A kind whose tensors are a checkpoint of its own, run beside a target without MTP layers."""
+
+    def __init__(self, target: Checkpoint, drafter: DrafterCheckpoint):
+        super().__init__(target)
+        self.drafter = drafter
+
+    @property
+    def checkpoint(self) -> DrafterCheckpoint:
+        return self.drafter
+
+    def problems(self) -> list[str]:
+        """Why this drafter cannot draft for this target (each a reason vLLM fails or drafts wrong)."""
+        raise NotImplementedError
+
+    def unrunnable_reason(self) -> str | None:
+        problems = self.problems()
+        pairing = f"the drafter cannot draft for this target: {problems[0]}" if problems else None
+        return self.drafter.unrunnable_reason() or pairing
+
+    def require_runnable(self) -> None:
+        target, drafter = self.target, self.drafter
+        if target.config.num_nextn_predict_layers:
+            raise CheckpointError(
+                f"{target.path}: the target has its own MTP layers; a drafter checkpoint ({drafter.path}) is not "
+                "run beside them"
+            )
+        problems = self.problems()
+        if problems:
+            raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
+        drafter.require_runnable()
+
+    def own_source(self, name: str) -> Source | None:
+        return (self.drafter, name) if name in self.drafter.tensors else None
+
+    @staticmethod
+    def head_policy(options: RuntimeOptions) -> HeadPolicy:
+        """vLLM 0.32 shares the target's lm_head with a drafter checkpoint that ships none at any PP size:
+        engine-legacy loads the head as fixed does; the forced policies stay."""
+        forced = (HeadPolicy.UNLOADED, HeadPolicy.TARGET)
+        return options.head_policy if options.head_policy in forced else HeadPolicy.FIXED
+
+    def checkpoint_key(self, name: str) -> str:
+        """The drafter checkpoint's key of one of its module's tensors."""
+        return name
+
+    def expected_source(self, name: str) -> Source:
+        """The drafter's own tensor, else (embedding and head) the target's."""
+        drafter, target, key = self.drafter, self.target, self.checkpoint_key(name)
+        if key in drafter.tensors or name not in (EMBEDDING, HEAD):
+            return drafter, key
+        return target, target_embedding_key(target) if name == EMBEDDING else target_head_key(target)

@@ -1,0 +1,125 @@
+"""The EAGLE-3 drafter kind: a head of its own checkpoint that reads aux hidden states of the target's layers
+(the taps DSpark reads, under EAGLE's id convention) and drafts a chain on the last rank (docs/eagle3.md).
+Its own tensors come from its checkpoint; its embedding and head are the target's where it ships none. The
+policies are the shared ladder's (policy.py), with vLLM 0.32's rules: a shipped embedding is loaded under
+every policy (engine-legacy, what vLLM 0.32 itself does at PP > 1, leaves an absent one unloaded there), the
+head is shared at any PP size; plus `--d2t-policy ignored`: a reduced vocabulary's `d2t` left unloaded
+(vLLM's zeros), so draft ids are taken as target ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdoctor.errors import CheckpointError
+from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
+from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
+from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
+from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
+from specdoctor.runtime.drafter.policy import Placer, Provenance
+from specdoctor.runtime.models.eagle3 import Eagle3Drafter, aux_entries, pairing_problems
+from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.options import D2tPolicy, RuntimeOptions
+
+D2T = "d2t"  # draft id -> target id offsets [draft_vocab] (int64); `t2d` vLLM ignores
+ORIGINAL_LAYER = "midlayer."  # the original layout's key prefix of the first layer (vLLM maps it to layers.0.)
+
+
+class Eagle3Kind(OwnCheckpointKind):
+    """An EAGLE-3 head beside its target (speculators or original layout), on the last rank."""
+
+    name = "eagle3"
+    label = "EAGLE-3 head"
+    stats_parts = ("embed_tokens", "lm_head", "fc", "hidden_norm", "input_norm")
+    misread_shift = 1  # the + 1 of DFlash's convention applied to ids that are entries already (sglang#25454)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return aux_entries(self.drafter.config, self.target.config.num_hidden_layers)
+
+    def default_speculative_tokens(self) -> int:
+        """vLLM's default: the speculators config's proposal length."""
+        return self.drafter.config.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+
+    def problems(self) -> list[str]:
+        """Why this head cannot run beside this target: the pairing, then what its checkpoint lacks."""
+        config, own = self.drafter.config, self.drafter.tensors
+        problems = pairing_problems(config, self.target.config)
+        if config.reduced_vocab and HEAD not in own:
+            problems.append(f"a draft vocabulary of {config.draft_vocab_size} ships no lm_head.weight of its own")
+        if config.reduced_vocab and D2T not in own:
+            problems.append(f"a draft vocabulary of {config.draft_vocab_size} ships no d2t to map it to target ids")
+        for part in ("fc.weight", "layers.0.self_attn.q_proj.weight"):
+            if self.checkpoint_key(part) not in own:
+                problems.append(f"the checkpoint has no {self.checkpoint_key(part)}")
+        fc, width = own.get("fc.weight"), config.num_aux * config.target_hidden_size
+        if fc is not None and len(fc.shape) == 2 and fc.shape[1] != width:
+            problems.append(
+                f"fc.weight takes {fc.shape[1]} inputs, the config's {config.num_aux} aux states of "
+                f"{config.target_hidden_size} give {width}"
+            )
+        return problems
+
+    def require_runnable(self) -> None:
+        super().require_runnable()
+        problems = self.d2t_problems() if self.drafter.config.reduced_vocab else []
+        if problems:
+            raise CheckpointError(f"{self.drafter.path}: cannot draft for {self.target.path}: {problems[0]}")
+
+    def d2t_problems(self) -> list[str]:
+        """d2t's size and the target ids it maps to: read whole (a small tensor), so not by the pre-flight,
+        which reads headers only."""
+        config, info = self.drafter.config, self.drafter.tensors[D2T]
+        if tuple(info.shape) != (config.draft_vocab_size,):
+            return [f"d2t has shape {tuple(info.shape)}, the draft vocabulary {config.draft_vocab_size} entries"]
+        ids = torch.arange(config.draft_vocab_size) + self.drafter.read(D2T).long()
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+            return [f"d2t maps draft ids to target ids outside the vocabulary (0..{config.vocab_size - 1})"]
+        return []
+
+    def config_summary(self) -> dict:
+        config = self.drafter.config
+        return {
+            "architecture": config.architecture,
+            "layout": config.layout,
+            "aux_layer_ids": list(config.aux_layer_ids) if config.aux_layer_ids else None,
+            "aux_entries_read": list(self.taps),
+            "layers": config.num_layers,
+            "draft_vocab_size": config.draft_vocab_size,
+            "norm_before_fc": config.norm_before_fc,
+            "norm_before_residual": config.norm_before_residual,
+        }
+
+    def module(self) -> Eagle3Drafter:
+        return Eagle3Drafter(self.drafter.config)
+
+    def checkpoint_key(self, name: str) -> str:
+        """The drafter checkpoint's key of a module tensor (the original layout keeps layer 0 as `midlayer.`)."""
+        original = self.drafter.config.layout == "original" and name.startswith("layers.0.")
+        return ORIGINAL_LAYER + name.removeprefix("layers.0.") if original else name
+
+    def build(
+        self, stage: TargetStage, options: RuntimeOptions, device: torch.device
+    ) -> tuple[Eagle3Drafter, Provenance]:
+        lazy = any(source.map_weights for source in self.checkpoints)
+        drafter = allocate(self.module, options.dtype.torch(), device, lazy)
+        provenance = Provenance()
+        d2t_ignored = options.d2t_policy == D2tPolicy.IGNORED
+
+        def own_key(name: str) -> str | None:
+            skipped = name in (EMBEDDING, HEAD) or (d2t_ignored and name == D2T)
+            return None if skipped else self.checkpoint_key(name)
+
+        body = load_module(drafter, self.drafter, own_key)
+        provenance.sources.update({name: f"checkpoint:{self.checkpoint_key(name)}" for name in body.filled})
+        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        if d2t_ignored and self.drafter.config.reduced_vocab:
+            materialize(drafter, device)
+            drafter.d2t.zero_()  # vLLM's draft_id_to_target_id starts as zeros and is only replaced by a load
+            provenance.sources[D2T] = "unfilled:zeros"
+        place = Placer(drafter, stage, options, provenance, device)
+        target = self.target
+        place.embedding(self.own_source(EMBEDDING), (target, target_embedding_key(target)), own_copy_first=True)
+        place.head("lm_head", self.own_source(HEAD), (target, target_head_key(target)), self.head_policy(options))
+        materialize(drafter, device)
+        return drafter.eval(), provenance

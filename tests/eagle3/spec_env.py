@@ -1,0 +1,21 @@
+"""The `speculators` package, the EAGLE-3 tests' oracle, in a virtual environment of its own: it pins
+transformers <= 5.19 and pulls torchvision and torchaudio, whose builds do not match torch 2.13 and break
+transformers' import (they are removed; speculators' models do not use them).
+
+    python -m tests.eagle3.spec_env    # install (CI runs this before the tests); prints the interpreter
+"""
+
+from __future__ import annotations
+
+from tests.helpers.tool_env import ToolEnv, install_main
+
+SPECULATORS = ToolEnv(
+    name="speculators",
+    requirements=("torch==2.13.0", "speculators==0.9.0"),
+    check="from speculators.models.eagle3 import Eagle3DraftModel",
+    remove=("torchvision", "torchaudio"),
+    env_var="SPECDOCTOR_SPECULATORS_VENV",
+)
+
+if __name__ == "__main__":
+    install_main(SPECULATORS)
