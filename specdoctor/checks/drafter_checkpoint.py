@@ -10,6 +10,11 @@ from specdoctor.runtime.drafter.kind import EMBEDDING, HEAD, DrafterKind
 from specdoctor.runtime.drafter.taps import entry_owner
 from specdoctor.runtime.partition import Placement
 
+# Targets whose vLLM 0.32 model relays aux hidden states between PP ranks (`supports_aux_hidden_states_over_pp`:
+# its Llama and Qwen2 models, which Qwen3's extends); its model runner refuses a tap-reading drafter at PP > 1
+# beside any other ("does not support <method> with pipeline parallelism").
+AUX_RELAY_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
 
 def drafter_tensors(kind: DrafterKind) -> list[Finding]:
     """Every tensor the drafter needs, in the checkpoint that must hold it, with the module's shape."""
@@ -75,3 +80,20 @@ def placement_findings(kind: DrafterKind, ranks: list[Placement], unloaded: str)
             )
         )
     return findings
+
+
+def aux_relay(kind: DrafterKind, ranks: list[Placement]) -> list[Finding]:
+    """Whether vLLM 0.32 runs this tap-reading drafter at this PP size beside this target at all."""
+    architecture = kind.target.config.architecture
+    if len(ranks) == 1 or architecture in AUX_RELAY_ARCHITECTURES:
+        return []
+    return [
+        Finding(
+            "placement.aux_relay",
+            "warning",
+            f"vLLM 0.32 refuses the {kind.label} at PP {len(ranks)} beside {architecture}: its model does not relay "
+            "aux hidden states between ranks",
+            "run it at PP 1 there, or on an engine that relays them (the runtime here does, as vLLM's Llama and "
+            "Qwen models do)",
+        )
+    ]

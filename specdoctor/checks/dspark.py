@@ -4,7 +4,7 @@ the tap probe measured through the live pipeline (runtime/tap_probe.py). docs/ds
 
 from __future__ import annotations
 
-from specdoctor.checks.drafter_checkpoint import drafter_tensors, placement_findings
+from specdoctor.checks.drafter_checkpoint import aux_relay, drafter_tensors, placement_findings
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.drafter.dspark import DSparkKind
@@ -43,4 +43,4 @@ def dspark_preflight(kind: DSparkKind, ranks: list[Placement]) -> list[Finding]:
     if not problems:  # else the target's shapes would only repeat the pairing error
         unloaded = "vLLM 0.32 refuses to load it there"
         findings += drafter_tensors(kind) + placement_findings(kind, ranks, unloaded)
-    return findings + quantization(drafter)
+    return findings + aux_relay(kind, ranks) + quantization(drafter)

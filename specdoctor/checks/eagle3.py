@@ -4,7 +4,7 @@ draft vocabulary."""
 
 from __future__ import annotations
 
-from specdoctor.checks.drafter_checkpoint import drafter_tensors, placement_findings
+from specdoctor.checks.drafter_checkpoint import aux_relay, drafter_tensors, placement_findings
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.drafter.eagle3 import Eagle3Kind
@@ -46,4 +46,4 @@ def eagle3_preflight(kind: Eagle3Kind, ranks: list[Placement]) -> list[Finding]:
     if not problems:  # else the target's shapes would only repeat the pairing error
         unloaded = "vLLM 0.32 never shares it at PP > 1: it stays unloaded"
         findings += drafter_tensors(kind) + placement_findings(kind, ranks, unloaded)
-    return findings + quantization(kind.drafter)
+    return findings + aux_relay(kind, ranks) + quantization(kind.drafter)

@@ -18,16 +18,17 @@ def eagle3_target(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pruned_head(tmp_path_factory, eagle3_target):
-    """Speculators format, a pruned vocabulary with d2t, aux ids (1, 3, 6), norm_before_residual."""
-    return write_head(tmp_path_factory.mktemp("heads") / "pruned", eagle3_target, DRAFT_VOCAB)
+    """Speculators format, a pruned vocabulary with d2t, aux ids (1, 3, 6), norm_before_residual, proposing 5."""
+    root = tmp_path_factory.mktemp("heads")
+    return write_head(root / "pruned", eagle3_target, DRAFT_VOCAB, "1,3,6", "--speculative-tokens", "5")
 
 
 @pytest.fixture(scope="session")
 def shared_head(tmp_path_factory, eagle3_target):
-    """Speculators format over the whole vocabulary with norm_before_fc, shipping neither embedding nor head:
-    both are the target's."""
+    """Speculators format over the whole vocabulary with norm_before_fc, its aux ids listed out of layer order
+    (vLLM captures them in layer order), shipping neither embedding nor head: both are the target's."""
     root = tmp_path_factory.mktemp("heads")
-    full = write_head(root / "full", eagle3_target, 320, "1,3,6", "--flag", "norm_before_fc")
+    full = write_head(root / "full", eagle3_target, 320, "6,1,3", "--flag", "norm_before_fc")
     return without_tensors(full, root / "shared", "embed_tokens.weight", "lm_head.weight")
 
 

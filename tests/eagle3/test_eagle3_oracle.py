@@ -2,15 +2,19 @@
 the runtime's head, built by its drafter kind beside the target as the engine builds it, gives the same
 logits for the same aux states, tokens and positions, with the states taken from transformers' Llama.
 The three heads cover both checkpoint layouts, a pruned vocabulary with d2t, norm_before_fc and
-norm_before_residual both ways, and the target's embedding and head shared."""
+norm_before_residual both ways, aux ids listed out of layer order, the engine's default ids, and the target's
+embedding and head shared. The aux states are chosen from each head's config as vLLM reads it, not by the
+runtime's own kind."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.eagle3 import run_tool
+from tests.helpers.eagle3 import TARGET_LAYERS, run_tool
 
 PROMPT = [3, 17, 101, 45, 9, 250, 77, 12, 5, 199, 64, 31]
 
@@ -56,6 +60,13 @@ def draft_ids_in_target(head, kind) -> torch.Tensor:
     return torch.arange(config.draft_vocab_size) + load_file(str(head / "model.safetensors"))["d2t"]
 
 
+def vllm_aux_entries(head) -> tuple[int, ...]:
+    """What vLLM 0.32 captures for a head, from its config alone: the listed ids in layer order (its capture
+    loop), or its default (2, L // 2, L - 3)."""
+    ids = json.loads((head / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(sorted(set(ids))) if ids else (2, TARGET_LAYERS // 2, TARGET_LAYERS - 3)
+
+
 def runtime_step(drafter, aux, tokens) -> torch.Tensor:
     with torch.no_grad():
         _, logits = drafter(tokens[None], drafter.combine(aux[None]), torch.arange(len(tokens))[None])
@@ -66,7 +77,8 @@ def runtime_step(drafter, aux, tokens) -> torch.Tensor:
 def test_one_draft_step_matches_speculators(request, tmp_path, eagle3_target, head_fixture):
     head = request.getfixturevalue(head_fixture)
     kind, drafter = runtime_head(eagle3_target, head)
-    aux, tokens = target_aux(eagle3_target, kind.taps)
+    assert kind.taps == vllm_aux_entries(head)
+    aux, tokens = target_aux(eagle3_target, vllm_aux_entries(head))
     original = head_fixture == "original_head"
     expected = speculators_step(tmp_path, head, aux, tokens, verifier=eagle3_target if original else None)
     logits, target_ids = runtime_step(drafter, aux, tokens), draft_ids_in_target(head, kind)

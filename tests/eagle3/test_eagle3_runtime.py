@@ -65,9 +65,10 @@ FAULTS = {
 
 
 def check(runtime):
+    """`check --repair` with short battery answers: the untrained heads' verdicts rest on content and taps."""
     from specdoctor.workflow.check import CheckOptions, run_check
 
-    return run_check(CheckOptions(runtime, repair=True), show_progress=False)
+    return run_check(CheckOptions(runtime, repair=True, max_tokens=8), show_progress=False)
 
 
 def drafter_errors(stage) -> set[str]:
@@ -128,6 +129,18 @@ def test_preflight_names_an_embedding_the_drafters_rank_lacks(eagle3_target, sha
     assert "never shares it at PP > 1" in findings["placement.drafter_embedding"][0].hint
     assert "embedding: the target's, head: the target's" in findings["eagle3.tensors"][0].message
     assert "placement.drafter_embedding" not in preflight(eagle3_target, shared_head, 1)
+    assert "placement.aux_relay" not in findings  # vLLM's Llama relays aux states between ranks
+
+
+def test_preflight_warns_where_vllm_relays_no_aux_states():
+    """vLLM 0.32 refuses EAGLE-3 at PP > 1 beside a target whose model does not relay them (GLM-4.5 here)."""
+    from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
+
+    head = DEMO_DRAFTERS["demo-eagle3"]
+    assert "refuses the EAGLE-3 head at PP 2 beside Glm4MoeForCausalLM" in (
+        preflight(DEMO_MODELS["demo"], head, 2)["placement.aux_relay"][0].message
+    )
+    assert "placement.aux_relay" not in preflight(DEMO_MODELS["demo"], head, 1)
 
 
 def edited_head(source, out, config_edit=None, drop=()):
@@ -157,7 +170,26 @@ def with_layer(config, **fields):
         (lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, (), "aux layer ids [9] lie outside"),
         (lambda c: {**c, "target_hidden_size": 96}, (), "target_hidden_size 96 is not the target's 64"),
         (lambda c: with_layer(c, vocab_size=512), (), "vocab_size 512 differs from the target's 320"),
-        (lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 6]}, (), "fc.weight takes 192 inputs"),
+        (lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 6]}, (), "vLLM builds its fc for 3 aux states"),
+        (
+            lambda c: {**with_layer(c, num_aux_hidden_states=2), "eagle_aux_hidden_state_layer_ids": [1, 6]},
+            (),
+            "fc.weight takes 192 inputs",
+        ),
+        (
+            lambda c: {**with_layer(c, hidden_size=96, head_dim=24), "target_hidden_size": 64},
+            ("embed_tokens.weight",),
+            "its hidden size 96 is not the target's 64 and it ships no embed_tokens.weight",
+        ),
+        (
+            lambda c: {
+                **c,
+                "logit_scale": "large",
+                "transformer_layer_config": {**c["transformer_layer_config"], "logit_scale": "large"},
+            },
+            (),
+            "'logit_scale' must be a number",
+        ),
         (None, ("lm_head.weight",), "ships no lm_head.weight of its own"),
         (None, ("d2t",), "ships no d2t"),
         (None, "d2t-past-vocabulary", "d2t maps draft ids to target ids outside the vocabulary"),
@@ -169,6 +201,9 @@ def with_layer(config, **fields):
         "hidden-size",
         "vocabulary",
         "aux-count",
+        "fc-width",
+        "narrower-unshared",
+        "logit-scale-text",
         "no-head",
         "no-d2t",
         "bad-d2t",
@@ -178,7 +213,8 @@ def with_layer(config, **fields):
 )
 def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target, pruned_head, config_edit, drop,
                                                          message):  # fmt: skip
-    """The runtime refuses it before any rank starts; `check` reports it as the pre-flight's error."""
+    """The runtime refuses it before any rank starts; the pre-flight reports it as an error, where the headers
+    tell (a config the reader refuses, or a d2t read beyond them, is refused there too)."""
     from specdoctor.errors import CheckpointError
     from specdoctor.runtime.engine import Engine
 
@@ -187,14 +223,29 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target
     with pytest.raises(CheckpointError) as refused:
         Engine(options(eagle3_target, head))
     assert message in str(refused.value) and "\n" not in str(refused.value)
-    check = specdoctor("check", "--model", str(eagle3_target), "--speculative-model", str(head), "--json", "-")
-    if "model_type" in message or "d2t maps" in message:  # refused before the pre-flight, or beyond the headers
-        assert check.returncode == 2 and message in check.stderr and len(check.stderr.strip().splitlines()) == 1
-    else:
-        assert check.returncode == 1
-        preflight = json.loads(check.stdout)["preflight"]
-        assert any(message in f["message"] for f in preflight if f["severity"] == "error")
+    if any(word in message for word in ("model_type", "must be")):
+        with pytest.raises(CheckpointError, match=message):
+            preflight(eagle3_target, head, 1)
+    elif "d2t maps" not in message:
+        assert any(message in f.message for f in preflight(eagle3_target, head, 1).get("eagle3.pairing", []))
     assert {path.name: path.read_bytes() for path in head.iterdir()} == before  # nothing written to the head
+
+
+@pytest.mark.parametrize("edit, code", [("aux-past-layers", 1), ("qwen3-layer", 2)])
+def test_check_reports_a_misfit_head_from_the_command_line(tmp_path, eagle3_target, pruned_head, edit, code):
+    """A head the pre-flight can describe: exit 1 with its error finding; one it cannot read: exit 2, one line."""
+    edits = {
+        "aux-past-layers": lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 3, 9]},
+        "qwen3-layer": lambda c: with_layer(c, model_type="qwen3"),
+    }
+    head = edited_head(pruned_head, tmp_path / "head", edits[edit])
+    check = specdoctor("check", "--model", str(eagle3_target), "--speculative-model", str(head), "--json", "-")
+    assert check.returncode == code, check.stderr
+    if code == 2:
+        assert "not model_type 'qwen3'" in check.stderr and len(check.stderr.strip().splitlines()) == 1
+    else:
+        errors = [f["message"] for f in json.loads(check.stdout)["preflight"] if f["severity"] == "error"]
+        assert any("aux layer ids [9] lie outside" in message for message in errors)
 
 
 def specdoctor(*args: str) -> subprocess.CompletedProcess:
@@ -215,7 +266,7 @@ def test_a_speculators_head_proposes_its_own_default_k(eagle3_target, pruned_hea
     from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
 
     kind = drafter_kind(Checkpoint(eagle3_target), str(eagle3_target), str(pruned_head))
-    assert speculative_tokens(kind, None) == 3  # speculators_config's proposal, written by its training tool
+    assert speculative_tokens(kind, None) == 5  # speculators_config's proposal, written by its training tool
 
 
 def test_an_engine_default_that_collapses_is_refused_before_any_rank_starts():

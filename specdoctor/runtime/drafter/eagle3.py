@@ -49,6 +49,13 @@ class Eagle3Kind(OwnCheckpointKind):
             problems.append(f"a draft vocabulary of {config.draft_vocab_size} ships no lm_head.weight of its own")
         if config.reduced_vocab and D2T not in own:
             problems.append(f"a draft vocabulary of {config.draft_vocab_size} ships no d2t to map it to target ids")
+        if config.hidden_size != self.target.config.hidden_size:  # vLLM shares neither across widths
+            problems += [
+                f"its hidden size {config.hidden_size} is not the target's {self.target.config.hidden_size} and it "
+                f"ships no {name} of its own"
+                for name in (EMBEDDING, HEAD)
+                if name not in own
+            ]
         for part in ("fc.weight", "layers.0.self_attn.q_proj.weight"):
             if self.checkpoint_key(part) not in own:
                 problems.append(f"the checkpoint has no {self.checkpoint_key(part)}")

@@ -26,7 +26,7 @@ from specdoctor.runtime.models.rope import rotary_cos_sin
 
 SPECULATORS_TYPE = "eagle3"  # `speculators_model_type` of the speculators format
 ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-DEFAULT_AUX_COUNT = 3  # vLLM's fc width when a config names neither ids nor a count
+DEFAULT_AUX_COUNT = 3  # vLLM's fc width (in aux states) when a config names neither a count nor eagle_config ids
 
 
 @dataclass(frozen=True)
@@ -91,21 +91,39 @@ def _ids(value, source: str) -> tuple[int, ...] | None:
     return tuple(value)
 
 
-def _proposal_tokens(raw: dict) -> int | None:
-    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+def _number(fields: RawConfig, name: str, default, kind: type):
+    """A numeric field (int or float), its default where absent or null; anything else is refused."""
+    value = fields.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+        raise CheckpointError(f"{fields.source}: field {name!r} must be {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def _object(fields: RawConfig, name: str) -> dict:
+    value = fields.get(name) or {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{fields.source}: {name} must be an object")
+    return value
+
+
+def _proposal_tokens(fields: RawConfig) -> int | None:
+    methods = _object(fields, "speculators_config").get("proposal_methods")
+    first = methods[0] if isinstance(methods, list) and methods else {}
+    tokens = first.get("speculative_tokens") if isinstance(first, dict) else None
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
 
 
 def read_eagle3_config(raw, source: str = "config.json") -> Eagle3Config:
-    """Either layout, read as vLLM 0.32 reads it (its speculators conversion for the first: a missing
-    `norm_before_residual` is true there, false in the original layout)."""
+    """Either layout, read as vLLM 0.32 reads it. For the speculators format vLLM's config is the layer's
+    (`transformer_layer_config`) with a few top-level fields copied in, a missing `norm_before_residual` true;
+    in the original layout everything is top level, that flag false. vLLM sizes fc from `num_aux_hidden_states`,
+    else the ids in `eagle_config`, else 3: never from the top-level id list, which says only what is captured."""
     top = RawConfig(raw, source)
     speculators = raw.get("speculators_model_type") == SPECULATORS_TYPE
     layer = RawConfig(raw.get("transformer_layer_config"), f"{source} transformer_layer_config") if speculators else top
-    eagle = raw.get("eagle_config") or {}
-    if not isinstance(eagle, dict):
-        raise CheckpointError(f"{source}: eagle_config must be an object")
+    eagle = _object(layer, "eagle_config")
     model_type = layer.get("model_type", "llama")
     if model_type != "llama":
         raise CheckpointError(f"{source}: the runtime runs Llama EAGLE-3 layers, not model_type {model_type!r}")
@@ -113,22 +131,21 @@ def read_eagle3_config(raw, source: str = "config.json") -> Eagle3Config:
         raise CheckpointError(f"{source}: the runtime does not run EAGLE-3 without aux hidden states")
     if layer.get("layer_types") and "sliding_attention" in layer.get("layer_types"):
         raise CheckpointError(f"{source}: the runtime does not run sliding-window EAGLE-3 layers")
-    ids = _ids(raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids"), source)
+    eagle_ids = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"), source)
     backbone = llama.read_config(layer, llama.ARCHITECTURE, NO_MTP)
-    count = raw.get("num_aux_hidden_states") or (len(ids) if ids else DEFAULT_AUX_COUNT)
     config = Eagle3Config(
         layout="speculators" if speculators else "original",
         backbone=backbone,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or backbone.vocab_size),
-        target_hidden_size=int(raw.get("target_hidden_size") or backbone.hidden_size),
-        aux_layer_ids=ids,
-        num_aux=int(count),
+        draft_vocab_size=_number(top, "draft_vocab_size", backbone.vocab_size, int),
+        target_hidden_size=_number(top, "target_hidden_size", backbone.hidden_size, int),
+        aux_layer_ids=_ids(raw.get("eagle_aux_hidden_state_layer_ids"), source) or eagle_ids,
+        num_aux=_number(layer, "num_aux_hidden_states", len(eagle_ids) if eagle_ids else DEFAULT_AUX_COUNT, int),
         norm_before_fc=bool(eagle.get("norm_before_fc", raw.get("norm_before_fc", False))),
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
         norm_output=bool(raw.get("norm_output", False)),
-        logit_scale=float(raw.get("logit_scale", 1.0)),
-        speculative_tokens=_proposal_tokens(raw) if speculators else None,
+        logit_scale=_number(layer, "logit_scale", 1.0, float),
+        speculative_tokens=_proposal_tokens(top) if speculators else None,
     )
     config.validate(source)
     return config
@@ -142,7 +159,10 @@ def pairing_problems(drafter: Eagle3Config, target: ModelConfig) -> list[str]:
     if outside:
         problems.append(f"aux layer ids {outside} lie outside the target's {target.num_hidden_layers} layers")
     if len(entries) != drafter.num_aux:
-        problems.append(f"its fc reads {drafter.num_aux} aux states, the target gives {len(entries)}")
+        problems.append(
+            f"vLLM builds its fc for {drafter.num_aux} aux states (num_aux_hidden_states, else eagle_config's ids, "
+            f"else 3) and captures {len(entries)}"
+        )
     return problems
 
 
