@@ -33,6 +33,16 @@ def position0_acceptance(target: TargetStage, drafter: MtpDrafter, prompts: list
     return hits / max(total, 1)
 
 
+def traced(target: TargetStage, prompts: list[list[int]], new_tokens: int, entries: tuple[int, ...]):
+    """Per prompt: (the prompt, prompt + its greedy continuation [L], positions [1, L], the taps at `entries`
+    [1, L, taps, H]), from one forward pass of the target over the whole trace."""
+    for prompt, continuation in zip(prompts, greedy_generate(target, prompts, new_tokens), strict=True):
+        sequence = torch.tensor(prompt + continuation)
+        positions = torch.arange(len(sequence))[None]
+        _, captured = target.forward_with_taps(sequence[None], positions)
+        yield prompt, sequence, positions, torch.stack([captured[entry] for entry in entries], dim=2)
+
+
 @torch.no_grad()
 def block_acceptance(
     target: TargetStage, drafter: DSparkDrafter, prompts: list[list[int]], new_tokens: int, k: int
@@ -40,14 +50,9 @@ def block_acceptance(
     """Per-position acceptance rates of a DSpark drafter's greedy block of k drafts anchored at every position
     of each greedy continuation: the share of anchors whose first i + 1 drafts all equal the trace. Drafted
     through the runtime's own context and block passes, every anchor a row with the whole context cached."""
-    continuations = greedy_generate(target, prompts, new_tokens)
     accepted, anchors = torch.zeros(k), 0
-    for prompt, continuation in zip(prompts, continuations, strict=True):
-        sequence = torch.tensor(prompt + continuation)  # [L]
+    for prompt, sequence, positions, taps in traced(target, prompts, new_tokens, drafter.config.tap_entries):
         length = len(sequence)
-        positions = torch.arange(length)[None]
-        _, captured = target.forward_with_taps(sequence[None], positions)
-        taps = torch.stack([captured[entry] for entry in drafter.config.tap_entries], dim=2)  # [1, L, taps, H]
         starts = torch.arange(len(prompt), length - k)  # each anchor's position: the trace continues k tokens
         rows = len(starts)
         cache = drafter.new_cache(rows, length + k, taps.dtype, taps.device)
@@ -72,14 +77,9 @@ def chain_acceptance(target: TargetStage, drafter, prompts: list[list[int]], new
     """Per-position acceptance rates of a chain drafter reading taps (EAGLE-3) over each greedy continuation: from
     every position of it, k greedy drafts through the drafter's own `draft` (step 0 over the whole sequence, then
     the chain from that position), the share whose first i + 1 drafts all equal the trace."""
-    continuations = greedy_generate(target, prompts, new_tokens)
     accepted, bases = torch.zeros(k), 0
-    for prompt, continuation in zip(prompts, continuations, strict=True):
-        sequence = torch.tensor(prompt + continuation)  # [L]
+    for prompt, sequence, positions, taps in traced(target, prompts, new_tokens, target.tap_entries):
         length = len(sequence)
-        positions = torch.arange(length)[None]
-        _, captured = target.forward_with_taps(sequence[None], positions)
-        taps = torch.stack([captured[entry] for entry in target.tap_entries], dim=2)  # [1, L, taps, H]
         starts = torch.arange(len(prompt) - 1, length - k - 1)  # the trace continues k + 1 tokens after each
         rows = len(starts)
         cache = drafter.new_cache(rows, length + k, taps.dtype, taps.device)

@@ -48,8 +48,13 @@ class OwnCheckpointKind(DrafterKind):
         return self.drafter
 
     def problems(self) -> list[str]:
-        """Why this drafter cannot draft for this target (each a reason vLLM fails or drafts wrong)."""
+        """Why this drafter cannot draft for this target, from the headers (each a reason vLLM fails or drafts
+        wrong): what the pre-flight reports too."""
         raise NotImplementedError
+
+    def data_problems(self) -> list[str]:
+        """Why it cannot, from a tensor's values (read here, beyond the headers the pre-flight reads)."""
+        return []
 
     def unrunnable_reason(self) -> str | None:
         problems = self.problems()
@@ -63,7 +68,7 @@ class OwnCheckpointKind(DrafterKind):
                 f"{target.path}: the target has its own MTP layers; a drafter checkpoint ({drafter.path}) is not "
                 "run beside them"
             )
-        problems = self.problems()
+        problems = self.problems() or self.data_problems()
         if problems:
             raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
         drafter.require_runnable()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
@@ -67,16 +66,11 @@ class Eagle3Kind(OwnCheckpointKind):
             )
         return problems
 
-    def require_runnable(self) -> None:
-        super().require_runnable()
-        problems = self.d2t_problems() if self.drafter.config.reduced_vocab else []
-        if problems:
-            raise CheckpointError(f"{self.drafter.path}: cannot draft for {self.target.path}: {problems[0]}")
-
-    def d2t_problems(self) -> list[str]:
-        """d2t's size and the target ids it maps to: read whole (a small tensor), so not by the pre-flight,
-        which reads headers only."""
-        config, info = self.drafter.config, self.drafter.tensors[D2T]
+    def data_problems(self) -> list[str]:
+        """A pruned vocabulary's d2t: its size, and the target ids it maps to (read whole: a small tensor)."""
+        config, info = self.drafter.config, self.drafter.tensors.get(D2T)
+        if not config.reduced_vocab or info is None:
+            return []
         if tuple(info.shape) != (config.draft_vocab_size,):
             return [f"d2t has shape {tuple(info.shape)}, the draft vocabulary {config.draft_vocab_size} entries"]
         ids = torch.arange(config.draft_vocab_size) + self.drafter.read(D2T).long()
