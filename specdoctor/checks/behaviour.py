@@ -47,6 +47,11 @@ def run_battery(
     findings = behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent, divergences)
     if engine.drafter.drafts_in_blocks:  # the shape of its block tells the faults apart
         findings += block_findings("behaviour", metrics["per_position_acceptance_rate"], baseline, stage)
+    if engine.drafter.name == "draft_model":  # an engine's length gate: named first, it is the verdict
+        from specdoctor.checks.draft_model import dummy_draft_findings
+
+        longest = max(map(len, prompts)) + max_tokens
+        findings = dummy_draft_findings(engine.drafter, profile, longest, k, stage) + findings
     return {
         "battery": f"{sum(lossless)}/{len(lossless)}",
         "lossless": lossless,

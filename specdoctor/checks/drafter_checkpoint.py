@@ -39,8 +39,10 @@ def drafter_tensors(kind: DrafterKind) -> list[Finding]:
                 data={"missing": missing, "wrong_shape": wrong},
             )
         ]
-    own = kind.checkpoint.tensors
-    sources = {name: "the drafter's own" if name in own else "the target's" for name in (EMBEDDING, HEAD)}
+    sources = {
+        name: "the drafter's own" if kind.expected_source(name)[0] is kind.checkpoint else "the target's"
+        for name in (EMBEDDING, HEAD)
+    }
     return [
         Finding(
             f"{kind.name}.tensors",

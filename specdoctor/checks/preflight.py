@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdoctor.checks.draft_model import draft_model_preflight
 from specdoctor.checks.dspark import dspark_preflight
 from specdoctor.checks.eagle3 import eagle3_preflight
 from specdoctor.checks.mtp import mtp_preflight
@@ -14,7 +15,12 @@ from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.partition import Placement
 
 # Each drafter kind's own pre-flight, by the kind's name (runtime/drafter/kinds.py).
-KIND_PREFLIGHT = {"mtp": mtp_preflight, "dspark": dspark_preflight, "eagle3": eagle3_preflight}
+KIND_PREFLIGHT = {
+    "mtp": mtp_preflight,
+    "dspark": dspark_preflight,
+    "eagle3": eagle3_preflight,
+    "draft_model": draft_model_preflight,
+}
 
 
 def preflight(checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterKind | None = None) -> list[Finding]:

@@ -54,7 +54,7 @@ class Engine:
         self.checkpoint = checkpoint or Checkpoint(options.model)
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
-        self.drafter = open_drafter(self.checkpoint, options.model, options.speculative_model)
+        self.drafter = open_drafter(self.checkpoint, options)
         if self.drafter and self.drafter.taps:
             self.drafter.engine_taps(options.tap_policy)
         self.speculates = self.drafter is not None

@@ -47,6 +47,15 @@ class D2tPolicy(Choice):
     IGNORED = "ignored"  # left at vLLM's zeros: draft id i is taken as target id i
 
 
+class DraftRangePolicy(Choice):
+    """What a draft model drafts once a sequence passes its position range (docs/draft-model.md)."""
+
+    FIXED = "fixed"  # it drafts on: the runtime computes its rotary embedding at any position
+    # vLLM's length gate: once the batch's longest sequence plus k passes the draft's max_model_len, dummy token 0
+    # for every row of the batch (vllm#58080)
+    DUMMY = "dummy"
+
+
 class Fill(Choice):
     """What a drafter tensor that no loader filled holds."""
 
@@ -130,7 +139,13 @@ class RuntimeOptions:
     speculative_model: str | None = option(
         None,
         "--speculative-model",
-        help="A drafter checkpoint of its own (DSpark, EAGLE-3); the DSpark demo brings its own.",
+        help="A drafter checkpoint of its own (DSpark, EAGLE-3, a draft model); the DSpark and EAGLE-3 demos bring one",
+    )
+    speculative_method: str | None = option(
+        None,
+        "--speculative-method",
+        help="The drafter's method as vLLM names it (mtp, dspark, eagle3, draft_model; --speculative-config's "
+        '"method"): checked against the checkpoint (default: read from it).',
     )
     tokenizer: str | None = option(
         None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."
@@ -169,6 +184,11 @@ class RuntimeOptions:
     )
     d2t_policy: D2tPolicy = option(
         D2tPolicy.FIXED, "--d2t-policy", help="EAGLE-3 with a reduced draft vocabulary: its d2t map's loading."
+    )
+    draft_range_policy: DraftRangePolicy = option(
+        DraftRangePolicy.FIXED,
+        "--draft-range-policy",
+        help="Draft models: past the draft's position range, draft on (fixed) or draft token 0 as vLLM does (dummy).",
     )
     markov_policy: MarkovPolicy = option(
         MarkovPolicy.FIXED, "--markov-policy", help="DSpark: its Markov head's loading."
@@ -215,6 +235,11 @@ class RuntimeOptions:
             )
         if self.timeout <= 0:
             raise SpecdoctorError(f"--timeout must be positive, got {self.timeout}")
+        if self.speculative_method not in (None, "mtp", *CHECKPOINT_METHODS):
+            raise SpecdoctorError(
+                f"--speculative-method: unknown method {self.speculative_method!r} (choose from mtp, "
+                f"{', '.join(CHECKPOINT_METHODS)})"
+            )
 
 
 # vLLM's method names for MTP drafters (vllm/config/speculative.py: MTPModelTypes) all mean "mtp".
@@ -232,13 +257,13 @@ MTP_METHODS = (
 
 
 # vLLM's methods for the drafters of a checkpoint of their own the runtime runs (given as "model").
-CHECKPOINT_METHODS = ("dspark", "eagle3")
+CHECKPOINT_METHODS = ("dspark", "eagle3", "draft_model")
 
 
 def options_from_speculative_config(text: str) -> dict:
     """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens, and, if given,
-    draft_sample_method and the drafter checkpoint ("model", with method dspark or eagle3). Keys the runtime cannot
-    honour are refused, not ignored."""
+    draft_sample_method, the method (vLLM's MTP names read as "mtp") and the drafter checkpoint ("model", with a
+    method of CHECKPOINT_METHODS). Keys the runtime cannot honour are refused, not ignored."""
     import json
 
     try:
@@ -263,12 +288,15 @@ def options_from_speculative_config(text: str) -> dict:
         raise SpecdoctorError(
             f"--speculative-config: method {method!r} "
             + ("needs" if method in CHECKPOINT_METHODS else "takes no")
-            + ' "model" (DSpark and EAGLE-3 drafters are checkpoints of their own; an MTP drafter is the target\'s)'
+            + ' "model" (DSpark, EAGLE-3 and draft models are checkpoints of their own; an MTP drafter is the '
+            "target's)"
         )
     k = config.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int):
         raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
     fields = {"num_speculative_tokens": k}
+    if "method" in config:
+        fields["speculative_method"] = "mtp" if method in MTP_METHODS else method
     if "model" in config:
         fields["speculative_model"] = str(config["model"])
     if "draft_sample_method" in config:

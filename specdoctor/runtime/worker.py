@@ -61,7 +61,7 @@ def build_rank(
     checkpoint = checkpoint or Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
     if kind is None:
-        kind = open_drafter(checkpoint, options.model, options.speculative_model)
+        kind = open_drafter(checkpoint, options)
     else:
         kind.require_runnable()
     ranks = placements(checkpoint.config, options.pp, options.pp_partition, has_drafter=kind is not None)

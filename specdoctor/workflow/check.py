@@ -63,7 +63,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
 
     runtime = options.runtime
     checkpoint = Checkpoint(runtime.model)
-    drafter = drafter_kind(checkpoint, runtime.model, runtime.speculative_model)
+    drafter = drafter_kind(checkpoint, runtime.model, runtime.speculative_model, runtime.speculative_method)
     k = speculative_tokens(drafter, runtime.num_speculative_tokens)
     runtime = dataclasses.replace(runtime, num_speculative_tokens=k)
     options = dataclasses.replace(options, runtime=runtime)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdoctor.runtime.checkpoint.files import DEMO_DIR
+from specdoctor.runtime.checkpoint.files import DEMO_DIR, DEMO_DRAFTERS, DEMO_MODELS
+from tests.helpers.draft_models import save_cut_down
 from tests.peer.vllm_env import PeerUnavailable, ensure_vllm
 from tests.peer.vllm_server import VllmServer
 
@@ -30,3 +31,27 @@ def vllm_demo(vllm_python):
     server = start_or_fail(lambda: VllmServer(DEMO_DIR, K, eager=True))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_draft_model(tmp_path_factory):
+    """demo-dspark's target cut to its first two of six layers by transformers: a draft model for it."""
+    return save_cut_down(DEMO_MODELS["demo-dspark"], tmp_path_factory.mktemp("peer") / "draft", num_hidden_layers=2)
+
+
+def drafter_server(model: str, drafter: dict):
+    """vLLM's server on a demo target with a drafter checkpoint of its own: fp32, k = 3, PP 1, eager."""
+    server = start_or_fail(lambda: VllmServer(DEMO_MODELS[model], K, eager=True, drafter=drafter))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_eagle3(vllm_python):
+    """demo-eagle3: demo-dspark's target with its trained EAGLE-3 head."""
+    yield from drafter_server("demo-eagle3", {"method": "eagle3", "model": str(DEMO_DRAFTERS["demo-eagle3"])})
+
+
+@pytest.fixture(scope="module")
+def vllm_draft_model(vllm_python, demo_draft_model):
+    yield from drafter_server("demo-dspark", {"method": "draft_model", "model": str(demo_draft_model)})

@@ -33,17 +33,37 @@ pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 32
 
 
-def test_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo):
-    codec = TextCodec(DEMO_DIR / "tokenizer.json", Checkpoint("demo").config.eos_token_ids)
+def assert_battery_matches(server, runtime: RuntimeOptions) -> None:
+    """Per battery prompt, sent alone: vLLM's token ids and its draft and acceptance counters are ours."""
+    checkpoint = Checkpoint(runtime.model)
+    codec = TextCodec(checkpoint.path / "tokenizer.json", checkpoint.config.eos_token_ids)
     prompts = [(entry["name"], codec.encode(entry["prompt"])) for entry in load_battery(None)]
-    with Engine(RuntimeOptions("demo", num_speculative_tokens=K)) as engine:
+    with Engine(runtime) as engine:
         ours = {name: engine.generate([ids], MAX_TOKENS) for name, ids in prompts}
     for name, ids in prompts:
-        tokens, metrics = completion_with_counters(vllm_demo.url, ids, MAX_TOKENS)
+        tokens, metrics = completion_with_counters(server.url, ids, MAX_TOKENS)
         assert tokens == ours[name].tokens[0], name
         theirs, mine = metrics.to_dict(), ours[name].row_metrics[0].to_dict()
         for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
             assert theirs[counter] == mine[counter], (name, counter, theirs, mine)
+        assert mine["num_drafts"] > 0, name
+
+
+def test_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo):
+    assert_battery_matches(vllm_demo, RuntimeOptions("demo", num_speculative_tokens=K))
+
+
+def test_an_eagle3_head_gives_vllms_tokens_drafts_and_accepted_counts(vllm_eagle3):
+    """demo-eagle3's trained head: its aux states, fc, first layer over [embedding, state] and head."""
+    runtime = RuntimeOptions("demo-eagle3", speculative_method="eagle3", num_speculative_tokens=K)
+    assert_battery_matches(vllm_eagle3, runtime)
+
+
+def test_a_draft_model_gives_vllms_tokens_drafts_and_accepted_counts(vllm_draft_model, demo_draft_model):
+    """A two-layer cut of demo-dspark's target drafting for it with its own KV cache."""
+    draft = dict(speculative_model=str(demo_draft_model), speculative_method="draft_model")
+    runtime = RuntimeOptions("demo-dspark", num_speculative_tokens=K, **draft)
+    assert_battery_matches(vllm_draft_model, runtime)
 
 
 @pytest.fixture(scope="module")

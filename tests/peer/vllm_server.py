@@ -23,12 +23,19 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts.
-    `eager`: without vLLM's torch.compile step (a minute of start-up on 2 cores; the oracle tests' tokens and
-    counters are the same either way, checked); the speed benchmarks keep vLLM's defaults."""
+    """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts
+    (`drafter`: the speculative config's method and model of a drafter checkpoint instead). `eager`: without
+    vLLM's torch.compile step (a minute of start-up on 2 cores; the oracle tests' tokens and counters are the
+    same either way, checked); the speed benchmarks keep vLLM's defaults."""
 
     def __init__(
-        self, model: Path, k: int, served_name: str = "demo", extra_env: dict | None = None, eager: bool = False
+        self,
+        model: Path,
+        k: int,
+        served_name: str = "demo",
+        extra_env: dict | None = None,
+        eager: bool = False,
+        drafter: dict | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,7 +44,8 @@ class VllmServer:
         command += ["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "512"]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         if k:
-            command += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+            speculative = {"method": "mtp", **(drafter or {}), "num_speculative_tokens": k}
+            command += ["--speculative-config", json.dumps(speculative)]
         if eager:
             command += ["--enforce-eager"]
         env = os.environ | SERVER_ENV | (extra_env or {})

@@ -90,7 +90,7 @@ class BatchState:
                 next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
                     1, last[:, None], first[:, 1:2]
                 )
-                self.drafts.propose(next_tokens, final if taps is None else taps, positions, base=last)
+                self.drafts.propose(next_tokens, model.drafter_features(self.ids, final, taps), positions, base=last)
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
         model.comm.broadcast_from_last(self.decision)
         self.commit(count_metrics=False)
@@ -104,7 +104,7 @@ class BatchState:
         hidden, taps = pipeline_pass(model, pending_and_drafts, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
-            features = final if taps is None else taps  # what the drafter reads (Drafts.propose)
+            features = model.drafter_features(pending_and_drafts, final, taps)  # what the drafter reads
             self.decision = speculative_step(logits, features, positions, self.drafts, self.sampler)
             self.note_logprobs(logits)
         model.comm.broadcast_from_last(self.decision)

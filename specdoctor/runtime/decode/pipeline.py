@@ -35,6 +35,13 @@ class RankModel:
     def speculates(self) -> bool:
         return self.kind is not None
 
+    def drafter_features(self, tokens: torch.Tensor, final: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
+        """What the drafter reads at a pass's positions: the tokens there, else its taps, else the final-normed
+        states."""
+        if self.kind is not None and self.kind.reads_tokens:
+            return tokens
+        return final if taps is None else taps
+
     def cache(self, batch: int, max_len: int, drafter: bool = False) -> KVCache:
         """A cache for this rank's layers, or for the drafter's."""
         if drafter:

@@ -1,16 +1,18 @@
-"""A drafter that is a checkpoint of its own: a DSpark block drafter or an EAGLE-3 head, told apart by its
-config.json (runtime/models/dspark.py, runtime/models/eagle3.py)."""
+"""A drafter that is a checkpoint of its own: a DSpark block drafter, an EAGLE-3 head or a separate draft model
+of a runtime family, told apart by its config.json (runtime/models/dspark.py, eagle3.py, draft_model.py)."""
 
 from __future__ import annotations
 
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.kind import EMBEDDING, HEAD, DrafterKind
 from specdoctor.runtime.drafter.policy import Source
 from specdoctor.runtime.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from specdoctor.runtime.models.dspark import is_dspark_config, read_dspark_config
 from specdoctor.runtime.models.eagle3 import ORIGINAL_ARCHITECTURES, is_eagle3_config, read_eagle3_config
+from specdoctor.runtime.models.registry import FAMILIES
 from specdoctor.runtime.options import HeadPolicy, RuntimeOptions
 
 
@@ -23,16 +25,21 @@ class DrafterCheckpoint(Checkpoint):
     def read_config(raw, source: str):
         if isinstance(raw, dict) and is_eagle3_config(raw):
             return read_eagle3_config(raw, source)
-        if isinstance(raw, dict) and not is_dspark_config(raw):
-            found = (raw.get("architectures") or ["none"])[0]
-            raise CheckpointError(
-                f"{source}: not a drafter the runtime runs (architectures {found!r}; expected a DSpark drafter, "
-                f"{' or '.join(DSPARK_ARCHITECTURES)} with model_type qwen3, or an EAGLE-3 head, "
-                f'{" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3")'
-            )
-        return read_dspark_config(raw, source)
+        if isinstance(raw, dict) and is_dspark_config(raw):
+            return read_dspark_config(raw, source)
+        found = (raw.get("architectures") or ["none"])[0] if isinstance(raw, dict) else "none"
+        if found in FAMILIES:  # a whole model of a runtime family: a draft model
+            return Checkpoint.read_config(raw, source)
+        raise CheckpointError(
+            f"{source}: not a drafter the runtime runs (architectures {found!r}; expected a DSpark drafter, "
+            f"{' or '.join(DSPARK_ARCHITECTURES)} with model_type qwen3, an EAGLE-3 head, "
+            f'{" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3", or a draft model, '
+            f"{', '.join(FAMILIES)})"
+        )
 
     def unrunnable_reason(self) -> str | None:
+        if isinstance(self.config, ModelConfig):  # a draft model: as any model the runtime runs
+            return super().unrunnable_reason()
         return self.quantization_refusal()
 
 

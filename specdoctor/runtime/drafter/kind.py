@@ -38,7 +38,7 @@ class DraftingModule(Protocol):
     def draft(
         self,
         next_tokens: torch.Tensor,  # [B, T] the token after each new position
-        features: torch.Tensor,  # [B, T, H] final-normed target states, or [B, T, taps, H] the taps
+        features: torch.Tensor,  # [B, T, H] final-normed target states, [B, T, taps, H] the taps, or [B, T] tokens
         positions: torch.Tensor,  # [B, T]
         base: torch.Tensor,  # [B] the last accepted position: the chain continues from there
         cache: KVCache,
@@ -57,6 +57,7 @@ class DrafterKind(ABC):
     stats_parts: ClassVar[tuple[str, ...]]
     drafts_in_blocks: ClassVar[bool] = False  # the whole block in one pass: its block shape is worth reading
     misread_shift: ClassVar[int] = 0  # where `--tap-policy off-by-one` lands for this kind's id convention
+    reads_tokens: ClassVar[bool] = False  # fed the tokens at the new positions instead of the target's states
 
     def __init__(self, target: Checkpoint):
         self.target = target

@@ -3,14 +3,18 @@ demo brings one), else the target's own MTP layers, else none. Adding a kind: it
 
 from __future__ import annotations
 
+from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS, resolve_model_path
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
+from specdoctor.runtime.drafter.draft_model import DraftModelKind
 from specdoctor.runtime.drafter.dspark import DSparkKind
 from specdoctor.runtime.drafter.eagle3 import Eagle3Kind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, DrafterKind
 from specdoctor.runtime.drafter.mtp import MtpKind
 from specdoctor.runtime.models.eagle3 import Eagle3Config
+from specdoctor.runtime.options import RuntimeOptions
 
 
 def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | None:
@@ -27,16 +31,34 @@ def drafter_checkpoint_path(model: str, speculative_model: str | None) -> str | 
     return str(found) if found else None
 
 
-def drafter_kind(target: Checkpoint, model: str, speculative_model: str | None) -> DrafterKind | None:
+def kind_of(config) -> type[DrafterKind]:
+    """The kind of a drafter checkpoint, by the config it was read as."""
+    if isinstance(config, Eagle3Config):
+        return Eagle3Kind
+    return DraftModelKind if isinstance(config, ModelConfig) else DSparkKind
+
+
+def drafter_kind(
+    target: Checkpoint, model: str, speculative_model: str | None, method: str | None = None
+) -> DrafterKind | None:
     """The drafter of this deployment, its headers read but not judged (the pre-flight describes even a
-    drafter the runtime refuses); None when the target has nothing to draft with."""
+    drafter the runtime refuses); None when the target has nothing to draft with. `method`, where the user
+    named one (vLLM's "method"), must be the kind the checkpoint is."""
     path = drafter_checkpoint_path(model, speculative_model)
+    kind = None
     if path is not None:
         drafter = DrafterCheckpoint(path)
-        return (Eagle3Kind if isinstance(drafter.config, Eagle3Config) else DSparkKind)(target, drafter)
-    if target.config.num_nextn_predict_layers:
-        return MtpKind(target)
-    return None
+        kind = kind_of(drafter.config)(target, drafter)
+    elif target.config.num_nextn_predict_layers:
+        kind = MtpKind(target)
+    if method is not None and method != (kind.name if kind else "mtp"):
+        found = (
+            f"{kind.path or target.path}: the drafter is the {kind.label} (method {kind.name!r})"
+            if kind
+            else f"{target.path}: no drafter (the target has no MTP layers and no drafter checkpoint was given)"
+        )
+        raise CheckpointError(f"{found}, not method {method!r} as --speculative-config says")
+    return kind
 
 
 def speculative_tokens(drafter: DrafterKind | None, asked: int | None) -> int:
@@ -46,9 +68,9 @@ def speculative_tokens(drafter: DrafterKind | None, asked: int | None) -> int:
     return drafter.default_speculative_tokens() if drafter else DEFAULT_SPECULATIVE_TOKENS
 
 
-def open_drafter(target: Checkpoint, model: str, speculative_model: str | None) -> DrafterKind | None:
-    """The drafter of this deployment, checked against its target and runnable by the runtime."""
-    kind = drafter_kind(target, model, speculative_model)
+def open_drafter(target: Checkpoint, options: RuntimeOptions) -> DrafterKind | None:
+    """The drafter of the deployment `options` describe, checked against its target and runnable by the runtime."""
+    kind = drafter_kind(target, options.model, options.speculative_model, options.speculative_method)
     if kind is not None:
         kind.require_runnable()
     return kind
