@@ -75,6 +75,7 @@ def test_speculative_config_takes_a_dspark_drafter_checkpoint():
     config = json.dumps({"method": "dspark", "model": "/models/drafter", "num_speculative_tokens": 5})
     assert options_from_speculative_config(config) == {
         "num_speculative_tokens": 5,
+        "speculative_method": "dspark",
         "speculative_model": "/models/drafter",
     }
 
@@ -82,7 +83,7 @@ def test_speculative_config_takes_a_dspark_drafter_checkpoint():
 def test_speculative_config_accepts_every_mtp_method_name_vllm_registers():
     for method in ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mimo_mtp"):
         config = json.dumps({"method": method, "num_speculative_tokens": 3})
-        assert options_from_speculative_config(config) == {"num_speculative_tokens": 3}
+        assert options_from_speculative_config(config) == {"num_speculative_tokens": 3, "speculative_method": "mtp"}
     sampled = '{"num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}'
     assert options_from_speculative_config(sampled)["draft_sample_method"] == "probabilistic"
 

@@ -38,8 +38,8 @@ def runtime_head(target, head, **options):
     from specdoctor.runtime.options import RuntimeOptions
 
     checkpoint = Checkpoint(target)
-    kind = open_drafter(checkpoint, str(target), str(head))
     runtime = RuntimeOptions(str(target), speculative_model=str(head), **options)
+    kind = open_drafter(checkpoint, runtime)
     drafter, _ = kind.build(load_full_target(checkpoint), runtime, torch.device("cpu"))
     return kind, drafter
 

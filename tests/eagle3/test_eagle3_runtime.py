@@ -58,6 +58,9 @@ FAULTS = {
                               "embed_tokens.weight", False),
     "target-head-over-pruned": ("pruned_head", dict(head_policy="target"), "drafter.fingerprint", "lm_head.weight",
                                 True),
+    # a head that needs the target's lm_head run with its own, which it does not ship (local-inference-lab vllm#54)
+    "own-head-where-target-needed": ("shared_head", dict(head_policy="unloaded", fill="zeros"), "drafter.fingerprint",
+                                     "lm_head.weight", True),
     "d2t-ignored": ("pruned_head", dict(d2t_policy="ignored"), "drafter.fingerprint", "d2t", True),
     "aux-off-by-one": ("pruned_head", dict(tap_policy="off-by-one"), "drafter.taps", None, True),
     "aux-engine-default": ("pruned_head", dict(tap_policy="engine-default"), "drafter.taps", None, True),

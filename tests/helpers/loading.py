@@ -18,9 +18,10 @@ def load_target_and_drafter(checkpoint: Checkpoint) -> tuple[TargetStage, MtpDra
     """The whole target and its drafter (its MTP layers, or the DSpark checkpoint a demo brings) loaded the
     fixed way (the drafter shares the target's embedding)."""
     target = load_full_target(checkpoint)
-    kind = open_drafter(checkpoint, str(checkpoint.path), None)
+    options = RuntimeOptions(str(checkpoint.path))
+    kind = open_drafter(checkpoint, options)
     target.tap_entries = kind.taps
-    return target, *kind.build(target, RuntimeOptions(str(checkpoint.path)), torch.device("cpu"))
+    return target, *kind.build(target, options, torch.device("cpu"))
 
 
 @torch.no_grad()
