@@ -42,9 +42,13 @@ BLOCK_DECAY_RETENTION = 0.55
 
 BROKEN_HINT = (
     "an uninitialised or aliased drafter embedding, or missing drafter weights: run specdoctor check --repair "
-    "on the checkpoint"
+    "--model TARGET (with --speculative-model DIR for an EAGLE-3 head, a DSpark drafter or a draft model), "
+    "which also names the engine's wiring faults (taps, aux layer ids, a draft model's position range)"
 )
-LOW_HINT = "a healthy MTP drafter accepts most position-0 drafts (DeepSeek-V3 k=1: 85-90 %)"
+LOW_HINT = (
+    "a healthy MTP layer or EAGLE-3 head accepts most position-0 drafts (DeepSeek-V3 MTP k=1: 85-90 %); "
+    "a draft model past its position range drafts token 0 in vLLM"
+)
 CHAIN_HINT = "the multi-step chain is fed the wrong hidden state or norm"
 
 

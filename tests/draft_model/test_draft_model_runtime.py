@@ -194,3 +194,14 @@ def test_the_command_line_refuses_a_method_the_checkpoint_is_not(dm_target, llam
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "the drafter is the draft model (method 'draft_model'), not method 'dspark'" in lines[0]
+
+
+def test_inspect_describes_the_draft_model_and_its_range(dm_target, short_range):
+    command = [sys.executable, "-m", "specdoctor", "inspect", "--model", str(dm_target)]
+    command += ["--speculative-model", str(short_range), "--pp", "2", "--json", "-"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    drafter = summary["block_drafter"]  # the schema's name for any drafter checkpoint of its own
+    assert drafter["label"] == "draft model" and drafter["draft_max_len"] == SHORT_RANGE
+    assert "draft_model.position_range" in {finding["check"] for finding in summary["preflight"]}

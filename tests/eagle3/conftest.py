@@ -38,3 +38,10 @@ def original_head(tmp_path_factory, eagle3_target):
     root = tmp_path_factory.mktemp("heads")
     source = write_head(root / "source", eagle3_target, DRAFT_VOCAB, "2,4,5", "--no-norm-before-residual")
     return original_layout(source, root / "original")
+
+
+@pytest.fixture(scope="session")
+def qwen3_head(tmp_path_factory, eagle3_target):
+    """speculators' default layer family: a Qwen3 layer (q/k norm), over the whole vocabulary."""
+    root = tmp_path_factory.mktemp("heads")
+    return write_head(root / "qwen3", eagle3_target, 320, "1,3,6", "--layer-family", "qwen3")

@@ -2,7 +2,7 @@
 writes EAGLE-3 heads with speculators' own model class and its save_pretrained, and runs that class's forward
 pass as the reference for one draft step.
 
-    python speculators_tool.py write OUT --target DIR --aux 1,3,6 --draft-vocab N --seed S [--flag ...]
+    python speculators_tool.py write OUT --target DIR --aux 1,3,6 --draft-vocab N --seed S [--layer-family qwen3]
     python speculators_tool.py save OUT --target DIR --aux 1,3,5 --tensors TRAINED --speculative-tokens 5
     python speculators_tool.py step HEAD INPUTS OUT [--verifier TARGET]   # INPUTS: aux, tokens, positions
 """
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from speculators.convert.entrypoints import convert_model
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
 FLAGS = ("norm_before_fc", "norm_output", "fc_norm")
 
@@ -24,11 +24,12 @@ FLAGS = ("norm_before_fc", "norm_output", "fc_norm")
 def build(args) -> Eagle3DraftModel:
     """A head for the target as speculators' training entry point makes one (embedding and head from the target)."""
     verifier = AutoConfig.from_pretrained(args.target)
-    # A Llama layer at the verifier's sizes (what vLLM's Eagle3LlamaForCausalLM runs), whatever the verifier's family.
+    # A layer at the verifier's sizes, whatever the verifier's family: Llama (vLLM's Eagle3LlamaForCausalLM) or
+    # Qwen3 (Eagle3Qwen3ForCausalLM, speculators' default).
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "rms_norm_eps", "max_position_embeddings")  # fmt: skip
     theta = (getattr(verifier, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    layer = LlamaConfig(
+    layer = {"llama": LlamaConfig, "qwen3": Qwen3Config}[args.layer_family](
         **{name: getattr(verifier, name) for name in sizes},
         num_hidden_layers=args.layers,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
@@ -123,6 +124,7 @@ def main() -> None:
         writer.add_argument("--aux", default="")
         writer.add_argument("--draft-vocab", type=int)
         writer.add_argument("--layers", type=int, default=1)
+        writer.add_argument("--layer-family", choices=("llama", "qwen3"), default="llama")
         writer.add_argument("--seed", type=int, default=0)
         writer.add_argument("--speculative-tokens", type=int, default=3)
         writer.add_argument("--no-norm-before-residual", action="store_true")

@@ -73,7 +73,7 @@ def runtime_step(drafter, aux, tokens) -> torch.Tensor:
     return logits[0]
 
 
-@pytest.mark.parametrize("head_fixture", ["pruned_head", "shared_head", "original_head"])
+@pytest.mark.parametrize("head_fixture", ["pruned_head", "shared_head", "original_head", "qwen3_head"])
 def test_one_draft_step_matches_speculators(request, tmp_path, eagle3_target, head_fixture):
     head = request.getfixturevalue(head_fixture)
     kind, drafter = runtime_head(eagle3_target, head)

@@ -36,7 +36,13 @@ def plain_tokens(eagle3_target):
 
 @pytest.mark.parametrize(
     "head_fixture, pp, k",
-    [("pruned_head", 1, 3), ("pruned_head", 4, 5), ("shared_head", 2, 4), ("original_head", 3, 2)],
+    [
+        ("pruned_head", 1, 3),
+        ("pruned_head", 4, 5),
+        ("shared_head", 2, 4),
+        ("original_head", 3, 2),
+        ("qwen3_head", 2, 3),
+    ],
 )
 def test_speculative_decoding_is_lossless_at_every_pp(request, eagle3_target, plain_tokens, head_fixture, pp, k):
     from specdoctor.runtime.engine import Engine
@@ -197,7 +203,7 @@ def with_layer(config, **fields):
         (None, ("d2t",), "ships no d2t"),
         (None, "d2t-past-vocabulary", "d2t maps draft ids to target ids outside the vocabulary"),
         (None, ("fc.weight",), "has no fc.weight"),
-        (lambda c: with_layer(c, model_type="qwen3"), (), "not model_type 'qwen3'"),
+        (lambda c: with_layer(c, model_type="deepseek_v3"), (), "not model_type 'deepseek_v3'"),
     ],
     ids=[
         "aux-past-layers",
@@ -211,7 +217,7 @@ def with_layer(config, **fields):
         "no-d2t",
         "bad-d2t",
         "no-fc",
-        "qwen3-layer",
+        "deepseek-layer",
     ],  # fmt: skip
 )
 def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target, pruned_head, config_edit, drop,
@@ -234,18 +240,18 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target
     assert {path.name: path.read_bytes() for path in head.iterdir()} == before  # nothing written to the head
 
 
-@pytest.mark.parametrize("edit, code", [("aux-past-layers", 1), ("qwen3-layer", 2)])
+@pytest.mark.parametrize("edit, code", [("aux-past-layers", 1), ("deepseek-layer", 2)])
 def test_check_reports_a_misfit_head_from_the_command_line(tmp_path, eagle3_target, pruned_head, edit, code):
     """A head the pre-flight can describe: exit 1 with its error finding; one it cannot read: exit 2, one line."""
     edits = {
         "aux-past-layers": lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 3, 9]},
-        "qwen3-layer": lambda c: with_layer(c, model_type="qwen3"),
+        "deepseek-layer": lambda c: with_layer(c, model_type="deepseek_v3"),
     }
     head = edited_head(pruned_head, tmp_path / "head", edits[edit])
     check = specdoctor("check", "--model", str(eagle3_target), "--speculative-model", str(head), "--json", "-")
     assert check.returncode == code, check.stderr
     if code == 2:
-        assert "not model_type 'qwen3'" in check.stderr and len(check.stderr.strip().splitlines()) == 1
+        assert "not model_type 'deepseek_v3'" in check.stderr and len(check.stderr.strip().splitlines()) == 1
     else:
         errors = [f["message"] for f in json.loads(check.stdout)["preflight"] if f["severity"] == "error"]
         assert any("aux layer ids [9] lie outside" in message for message in errors)

@@ -19,7 +19,7 @@ from specdoctor.errors import CheckpointError
 from specdoctor.runtime.architectures import NO_MTP
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import DraftLayersConfig, ModelConfig, RawConfig
-from specdoctor.runtime.models import llama
+from specdoctor.runtime.models import llama, qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.mtp import draft_chain
 from specdoctor.runtime.models.rope import rotary_cos_sin
@@ -27,12 +27,19 @@ from specdoctor.runtime.models.rope import rotary_cos_sin
 SPECULATORS_TYPE = "eagle3"  # `speculators_model_type` of the speculators format
 ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 DEFAULT_AUX_COUNT = 3  # vLLM's fc width (in aux states) when a config names neither a count nor eagle_config ids
+# The layer families vLLM 0.32 runs EAGLE-3 heads of (llama_eagle3.py, qwen3_eagle3.py), by the layer config's
+# model_type: its config reader, and vLLM's architecture name. One block serves both (Qwen3's q/k norm is a
+# config setting); DeepSeek's (deepseek_eagle3.py) is not run.
+LAYER_FAMILIES = {
+    "llama": (llama.read_config, llama.ARCHITECTURE, "Eagle3LlamaForCausalLM"),
+    "qwen3": (qwen3.read_config, qwen3.ARCHITECTURE, "Eagle3Qwen3ForCausalLM"),
+}
 
 
 @dataclass(frozen=True)
 class Eagle3Config(DraftLayersConfig):
     layout: str  # "speculators" or "original"
-    backbone: ModelConfig  # the draft layers, as a Llama config (its vocabulary is the target's)
+    backbone: ModelConfig  # the draft layers, as a Llama or Qwen3 config (its vocabulary is the target's)
     draft_vocab_size: int
     target_hidden_size: int
     # Residual-stream entries of the target read, as the config lists them (entry i enters target layer i,
@@ -48,7 +55,7 @@ class Eagle3Config(DraftLayersConfig):
 
     @property
     def architecture(self) -> str:
-        return "Eagle3LlamaForCausalLM"
+        return next(name for _, layers, name in LAYER_FAMILIES.values() if layers == self.backbone.architecture)
 
     @property
     def reduced_vocab(self) -> bool:
@@ -125,14 +132,17 @@ def read_eagle3_config(raw, source: str = "config.json") -> Eagle3Config:
     layer = RawConfig(raw.get("transformer_layer_config"), f"{source} transformer_layer_config") if speculators else top
     eagle = _object(layer, "eagle_config")
     model_type = layer.get("model_type", "llama")
-    if model_type != "llama":
-        raise CheckpointError(f"{source}: the runtime runs Llama EAGLE-3 layers, not model_type {model_type!r}")
+    if model_type not in LAYER_FAMILIES:
+        raise CheckpointError(
+            f"{source}: the runtime runs {' and '.join(LAYER_FAMILIES)} EAGLE-3 layers, not model_type {model_type!r}"
+        )
     if eagle.get("use_aux_hidden_state", True) is False:
         raise CheckpointError(f"{source}: the runtime does not run EAGLE-3 without aux hidden states")
     if layer.get("layer_types") and "sliding_attention" in layer.get("layer_types"):
         raise CheckpointError(f"{source}: the runtime does not run sliding-window EAGLE-3 layers")
     eagle_ids = _ids(eagle.get("eagle_aux_hidden_state_layer_ids"), source)
-    backbone = llama.read_config(layer, llama.ARCHITECTURE, NO_MTP)
+    read_layer_config, layer_architecture, _ = LAYER_FAMILIES[model_type]
+    backbone = read_layer_config(layer, layer_architecture, NO_MTP)
     config = Eagle3Config(
         layout="speculators" if speculators else "original",
         backbone=backbone,
