@@ -169,7 +169,7 @@ def context_keys_values(attention, states: torch.Tensor, rotary) -> tuple[torch.
     weight, bias = attention.qkv()
     weight, bias = weight[-2 * kv_size :], bias[-2 * kv_size :] if bias is not None else None
     k, v = F.linear(states, weight, bias).view(batch, length, 2, attention.num_kv_heads, attention.head_dim).unbind(2)
-    return apply_rotary(k, *rotary), v
+    return apply_rotary(attention.k_norm(k), *rotary), v
 
 
 class DSparkDrafter(nn.Module):
