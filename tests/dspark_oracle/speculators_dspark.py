@@ -48,9 +48,13 @@ def block_logits(model, hidden_states, tokens, context: int) -> tuple[torch.Tens
     """(base, Markov-biased) logits [block, V] of DSparkDraftModel.forward's one block anchored at `context`.
     forward hands its biased logits only to its loss (compute_metrics), so they are taken there."""
     taken = {}
-    hook = model.lm_head.register_forward_hook(lambda _m, _i, output: taken.update(base=output[0]))
-    original = dspark_core.compute_metrics
-    dspark_core.compute_metrics = lambda logits, *_args, **_kwargs: (taken.update(biased=logits[0]), (None, {}))[1]
+
+    def loss(logits, *_args, **_kwargs):
+        taken["biased"] = logits[0]
+        return None, {}
+
+    hook = model.lm_head.register_forward_hook(lambda _module, _inputs, output: taken.update(base=output[0]))
+    original, dspark_core.compute_metrics = dspark_core.compute_metrics, loss
     loss_mask = torch.zeros_like(tokens)
     loss_mask[context] = 1  # the only anchor forward can draw
     try:

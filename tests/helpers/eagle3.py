@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tests.eagle3.spec_env import SPECULATORS
+from tests.eagle3.spec_env import run_speculators
 from tests.helpers.families import save_dense_checkpoint
 
 TOOL = Path(__file__).resolve().parents[1] / "eagle3" / "speculators_tool.py"
-TOOL_TIMEOUT_S = 300
 TARGET_LAYERS = 8  # vLLM's default aux entries (2, 4, 5) differ from the heads' (1, 3, 6)
 TRAINED_AUX = "1,3,6"
 
 
 def run_tool(*args: str) -> None:
-    result = subprocess.run(
-        [str(SPECULATORS.ensure()), str(TOOL), *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S
-    )
-    if result.returncode:
-        raise RuntimeError(f"speculators_tool {args[0]} failed: {result.stderr.strip().splitlines()[-1]}")
+    run_speculators(TOOL, *args)
 
 
 def save_llama_target(path: Path, seed: int = 0) -> None:

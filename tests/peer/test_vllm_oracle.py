@@ -130,8 +130,9 @@ def test_placement_matches_what_vllms_glm_model_builds_on_each_rank(goldens):
 
 
 def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
-    """The aux layers vLLM's target captures for a DSpark or DFlash config (ids + 1, sorted, de-duplicated),
-    its mask token, and how many of them reach each PP rank from upstream, against the runtime's."""
+    """The aux layers vLLM's target captures for a DSpark or DFlash config (ids + 1, sorted, de-duplicated;
+    the speculators format converted as vLLM converts it), its mask token, and how many of them reach each PP
+    rank from upstream, against the runtime's."""
     from specdoctor.runtime.drafter.taps import tap_route
     from specdoctor.runtime.models.dspark import read_dspark_config
     from specdoctor.runtime.options import TapPolicy
@@ -143,6 +144,12 @@ def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
         for name in ("target_layer_ids", "mask_token_id"):
             if name not in case["fields"]:
                 fields.pop(name)
+        if "speculators_model_type" in fields:  # the layers' sizes live under transformer_layer_config there
+            fields = {**case["fields"], "transformer_layer_config": {**fields, **fields["transformer_layer_config"]}}
+        if not case["sample_from_anchor"]:  # DFlash's 1 + N layout, which the runtime refuses
+            with pytest.raises(SpecdoctorError, match="sample_from_anchor false"):
+                read_dspark_config(fields)
+            continue
         config = read_dspark_config(fields)
         assert list(config.tap_entries) == case["aux"], case
         assert config.mask_token_id == case["mask"], case

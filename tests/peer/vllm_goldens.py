@@ -118,6 +118,11 @@ DSPARK_CONFIGS = [
     {"dspark_target_layer_ids": [2], "dspark_noise_token_id": 5},
     {"eagle_aux_hidden_state_layer_ids": [2, 4], "target_layer_ids": [1], "mask_token_id": 3},
 ]
+# The speculators format (speculators writes sample_from_anchor; older files lack it), which vLLM converts first.
+SPECULATORS_DSPARK = {"speculators_model_type": "dspark", "architectures": ["DSparkDraftModel"],
+                      "transformer_layer_config": {"model_type": "qwen3"}, "aux_hidden_state_layer_ids": [2, 4, 5],
+                      "mask_token_id": 7, "block_size": 4, "markov_rank": 16}  # fmt: skip
+SPECULATORS_CONFIGS = [{**SPECULATORS_DSPARK, "sample_from_anchor": True}, SPECULATORS_DSPARK]
 # (target layers, PP partition, aux entries): how many aux states each rank receives from upstream.
 AUX_LAYOUTS = [(6, "2,2,2", (2, 4, 6)), (6, "1,2,2,1", (2, 4, 6)), (6, "3,0,3", (2, 4, 6)), (8, "4,4", (1, 4, 5, 8))]
 
@@ -127,14 +132,18 @@ def dspark() -> dict:
 
     import vllm.distributed.parallel_state as parallel_state
     from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
     from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
     parallel_state.model_parallel_is_initialized = lambda: True
     parallel_state.get_pp_group = lambda: FakePPGroup(0, 1)  # one rank: the config alone decides the aux layers
     configs = []
-    for fields in DSPARK_CONFIGS:
-        hf_config = SimpleNamespace(model_type="qwen3", **fields)
+    for fields in DSPARK_CONFIGS + SPECULATORS_CONFIGS:
+        read = fields
+        if "speculators_model_type" in fields:  # vLLM's model config is the converted one
+            read = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(fields)))
+        hf_config = SimpleNamespace(**{"model_type": "qwen3", **read})
         aux = get_eagle3_aux_layers_from_config(
             SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf_config))
         )
@@ -145,6 +154,7 @@ def dspark() -> dict:
                 "fields": fields,
                 "aux": list(holder.aux_hidden_state_layers),
                 "mask": get_parallel_drafting_token_id(hf_config),
+                "sample_from_anchor": read.get("sample_from_anchor", True),
             }
         )
     slots = {}

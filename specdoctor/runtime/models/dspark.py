@@ -24,6 +24,19 @@ from specdoctor.runtime.models.rope import apply_rotary, rotary_cos_sin
 # vLLM 0.32 builds Qwen3DSparkForCausalLM for these (config/speculative.py; DSparkDraftModel only with
 # model_type qwen3, else it is DeepSeek-V4's drafter).
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
+SPECULATORS_TYPE = "dspark"  # `speculators_model_type` of the speculators format
+# What vLLM's update_dspark copies from a speculators config onto the layers' config, where set.
+SPECULATORS_FIELDS = (
+    "draft_vocab_size",
+    "target_hidden_size",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "block_size",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "use_aux_hidden_state",
+)
 
 
 @dataclass(frozen=True)
@@ -95,11 +108,36 @@ def _refuse_unrun(raw: RawConfig) -> None:
 
 
 def is_dspark_config(raw: dict) -> bool:
+    if raw.get("speculators_model_type") == SPECULATORS_TYPE:
+        return True
     architectures = raw.get("architectures") or []
     return bool(architectures) and architectures[0] in ARCHITECTURES and raw.get("model_type", "qwen3") == "qwen3"
 
 
+def from_speculators(raw: dict, source: str) -> dict:
+    """The speculators format (`speculators_model_type: dspark`, the layers' config under
+    `transformer_layer_config`) as vLLM 0.32 reads it (update_dspark): that config with DSpark's fields copied
+    on, the aux ids as entries and as target_layer_ids (each - 1), `sample_from_anchor` false where absent, and
+    the architecture Qwen3DSparkModel (Qwen3-Omni's kept, which this runtime refuses)."""
+    layers, aux = raw.get("transformer_layer_config"), raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(layers, dict):
+        raise CheckpointError(f"{source}: a speculators DSpark config needs transformer_layer_config, an object")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        raise CheckpointError(f"{source}: a speculators DSpark config needs aux_hidden_state_layer_ids, layer ids")
+    omni = "Qwen3OmniDSparkModel" in (raw.get("architectures") or [])
+    return {
+        **layers,
+        "architectures": ["Qwen3OmniDSparkModel" if omni else "Qwen3DSparkModel"],
+        "sample_from_anchor": raw.get("sample_from_anchor", False),
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "target_layer_ids": [i - 1 for i in aux],
+        **{key: raw[key] for key in SPECULATORS_FIELDS if raw.get(key) is not None},
+    }
+
+
 def read_dspark_config(raw, source: str = "config.json") -> DSparkConfig:
+    if isinstance(raw, dict) and raw.get("speculators_model_type") == SPECULATORS_TYPE:
+        raw = from_speculators(raw, source)
     fields = RawConfig(raw, source)
     if not is_dspark_config(raw):
         found = (raw.get("architectures") or ["none"])[0]
