@@ -163,6 +163,41 @@ def test_dspark_taps_and_mask_token_match_vllms_own_functions(goldens):
             assert route.received == received[placement.rank], (key, placement.rank)
 
 
+# The Llama layer the goldens' EAGLE-3 configs name, with the sizes a runnable config needs.
+EAGLE3_LAYER = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320}  # fmt: skip
+
+
+def test_eagle3_aux_layers_flags_and_d2t_match_vllms_own_functions(goldens):
+    """vLLM's default aux layers, the layers and flags it reads from heads of both layouts, and where its
+    compute_logits places a pruned head's logits, against the runtime's reading and its head."""
+    import torch
+
+    from specdoctor.runtime.models.eagle3 import Eagle3Drafter, aux_entries, engine_default_entries, read_eagle3_config
+
+    eagle3 = goldens[0]["eagle3"]
+    for layers, captured in eagle3["defaults"].items():
+        assert list(engine_default_entries(int(layers))) == captured, layers
+    for case in eagle3["configs"]:
+        fields = case["fields"]
+        if "transformer_layer_config" in fields:
+            fields = {**fields, "transformer_layer_config": {**EAGLE3_LAYER, **fields["transformer_layer_config"]}}
+        else:
+            fields = {**EAGLE3_LAYER, **fields}
+        config = read_eagle3_config(fields)
+        for layers, default in eagle3["defaults"].items():
+            assert list(aux_entries(config, int(layers))) == (case["aux"] or default), (case, layers)
+        assert config.norm_before_fc == bool(case["norm_before_fc"]), case
+        assert config.norm_before_residual == bool(case["norm_before_residual"]), case
+        if "speculators_model_type" in case["fields"]:  # the class vLLM converts it to (the original names its own)
+            assert config.architecture == case["architectures"][0], case
+    d2t = eagle3["d2t"]
+    head = {**EAGLE3_LAYER, "vocab_size": 16, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(d2t)}
+    drafter = Eagle3Drafter(read_eagle3_config(head))
+    drafter.d2t.copy_(torch.tensor(d2t))
+    assert drafter.target_logits(torch.tensor(eagle3["logits"])).tolist() == eagle3["placed"]
+
+
 def probe(url: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "specdoctor", "probe", "--url", url, "--json", "-"]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -8,7 +8,9 @@ specdoctor not): `python tests/peer/vllm_goldens.py DEMO_DIR TIED_DEMO_DIR`.
   it builds that rank at all (it raises "No Glm4MoE layer found" on a rank without an MoE layer);
 - DSpark: the aux hidden-state layers (get_eagle3_aux_layers_from_config, then the sorted set the target
   keeps) and the mask token (get_parallel_drafting_token_id) for several draft configs, and how many aux
-  states reach each PP rank from upstream (EagleModelMixin's slot base, with the PP group faked).
+  states reach each PP rank from upstream (EagleModelMixin's slot base, with the PP group faked);
+- EAGLE-3: the default aux layers (SupportsEagle3), the layers and flags vLLM reads from head configs of both
+  layouts (the speculators format converted by its SpeculatorsConfig), and compute_logits' d2t placement.
 """
 
 from __future__ import annotations
@@ -171,6 +173,60 @@ def dspark() -> dict:
     return {"configs": configs, "received": slots}
 
 
+# EAGLE-3 head configs as speculators writes them and as the original release does (on a Llama layer config).
+LAYER = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 320}
+SPECULATORS_EAGLE3 = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                      "transformer_layer_config": LAYER, "draft_vocab_size": 200}  # fmt: skip
+EAGLE3_CONFIGS = [
+    {**SPECULATORS_EAGLE3, "eagle_aux_hidden_state_layer_ids": [1, 3, 6]},
+    {**SPECULATORS_EAGLE3, "eagle_aux_hidden_state_layer_ids": [6, 1, 3], "norm_before_fc": True},
+    {**SPECULATORS_EAGLE3, "transformer_layer_config": {**LAYER, "model_type": "qwen3"}, "norm_before_residual": False},
+    SPECULATORS_EAGLE3,
+    {**LAYER, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 200},
+]
+TARGET_DEPTHS = (4, 6, 8, 32, 61)
+
+
+def eagle3() -> dict:
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    parallel_state.get_pp_group = lambda: FakePPGroup(0, 1)
+
+    def captured(ids) -> list[int]:  # what the target keeps of the ids it is given (sorted, de-duplicated)
+        holder = EagleModelMixin()
+        holder._set_aux_hidden_state_layers(ids)
+        return list(holder.aux_hidden_state_layers)
+
+    default = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers
+    defaults = {layers: captured(default(SimpleNamespace(layers=[0] * layers))) for layers in TARGET_DEPTHS}
+    configs = []
+    for fields in EAGLE3_CONFIGS:
+        read = fields
+        if "speculators_model_type" in fields:
+            read = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(fields)))
+        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**read)))
+        aux = get_eagle3_aux_layers_from_config(spec)
+        flags = {name: read.get(name) for name in ("norm_before_fc", "norm_before_residual", "architectures")}
+        configs.append({"fields": fields, "aux": captured(aux) if aux else None, **flags})
+    d2t = torch.tensor([0, 3, 3, 5, 9])  # draft id i -> target id i + d2t[i]
+    head = SimpleNamespace(
+        logits_processor=lambda _head, hidden: hidden,  # the head's logits stand in for the hidden states
+        draft_id_to_target_id=d2t,
+        config=SimpleNamespace(vocab_size=16, draft_vocab_size=len(d2t)),
+        lm_head=None,
+    )
+    logits = torch.arange(10.0).view(2, 5)
+    placed = Eagle3LlamaForCausalLM.compute_logits(head, logits)
+    return {"defaults": defaults, "configs": configs, "d2t": d2t.tolist(), "logits": logits.tolist(),
+            "placed": placed.tolist()}  # fmt: skip
+
+
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29531")
@@ -179,5 +235,6 @@ if __name__ == "__main__":
         "vocab": vocab_shards(),
         "placement": placements({"untied": sys.argv[1], "tied": sys.argv[2]}),
         "dspark": dspark(),
+        "eagle3": eagle3(),
     }
     print("GOLDENS " + json.dumps(goldens))
