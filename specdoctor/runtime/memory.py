@@ -137,6 +137,10 @@ def packing(checkpoint: Checkpoint, linears: dict[int, set[str]], dtype: torch.d
     return saving, transient
 
 
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for entries in cache.entries.values() for t in entries)
+
+
 def plan_memory(
     checkpoint: Checkpoint,
     ranks: list[Placement],
@@ -153,8 +157,10 @@ def plan_memory(
     activations = batch * max_len * config.hidden_size * dtype.itemsize * 8
     plans = []
     for placement in ranks:
-        cache = new_cache(config, list(placement.layers), batch, max_len, dtype, "meta")
-        kv = sum(t.numel() * t.element_size() for entries in cache.entries.values() for t in entries)
+        kv = cache_bytes(new_cache(config, list(placement.layers), batch, max_len, dtype, "meta"))
+        if placement.has_drafter and drafter is not None:  # its own cache: a draft model's is a whole model's
+            with torch.device("meta"):
+                kv += cache_bytes(drafter.module().new_cache(batch, max_len, dtype, "meta"))
         weights, dequantizing = rank_weights(checkpoint, placement, drafter, options)
         workspace = PROCESS_BYTES + activations + dequantizing + (logits if placement.is_last else 0)
         plans.append(RankMemory(placement.rank, weights, kv, workspace))

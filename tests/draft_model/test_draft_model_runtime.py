@@ -205,3 +205,25 @@ def test_inspect_describes_the_draft_model_and_its_range(dm_target, short_range)
     drafter = summary["block_drafter"]  # the schema's name for any drafter checkpoint of its own
     assert drafter["label"] == "draft model" and drafter["draft_max_len"] == SHORT_RANGE
     assert "draft_model.position_range" in {finding["check"] for finding in summary["preflight"]}
+
+
+def test_the_memory_plan_holds_the_draft_models_own_cache(dm_target, first_layers):
+    """The drafter's rank holds keys and values for its target layers and for every draft layer: 2 × layers ×
+    batch × length × KV heads × head size × 4 bytes (fp32), from the two configs."""
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.memory import plan_memory
+    from specdoctor.runtime.partition import placements
+
+    checkpoint = Checkpoint(dm_target)
+    kind = drafter_kind(checkpoint, str(dm_target), str(first_layers))
+    ranks = placements(checkpoint.config, 2, None, has_drafter=True)
+    batch, length = 9, 64
+    plan = plan_memory(checkpoint, ranks, kind, options(dm_target, first_layers, pp=2), batch, length)
+
+    def kv(config, layers: int) -> int:
+        return 2 * layers * batch * length * config.num_key_value_heads * config.head_dim * 4
+
+    target_layers = len(ranks[-1].layers)
+    assert plan.ranks[-1].kv_cache == kv(checkpoint.config, target_layers) + kv(kind.drafter.config, 2)
+    assert plan.ranks[0].kv_cache == kv(checkpoint.config, len(ranks[0].layers))
