@@ -15,24 +15,13 @@ import sys
 import pytest
 
 from tests.draft_model.conftest import SHORT_RANGE
+from tests.helpers.drafter_runs import drafter_options, plain_tokens_of, speculative_run
 from tests.helpers.families import PIPELINE_PROMPTS
-
-NEW_TOKENS = 12
-
-
-def options(target, draft, **fields):
-    from specdoctor.runtime.options import RuntimeOptions
-
-    return RuntimeOptions(str(target), speculative_model=str(draft), timeout=60, **fields)
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(dm_target):
-    from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.options import RuntimeOptions
-
-    with Engine(RuntimeOptions(str(dm_target), timeout=60)) as engine:
-        return engine.generate(PIPELINE_PROMPTS, NEW_TOKENS).tokens
+    return plain_tokens_of(dm_target)
 
 
 @pytest.mark.parametrize(
@@ -40,13 +29,8 @@ def plain_tokens(dm_target):
     [("first_layers", 1, 3), ("first_layers", 4, 5), ("llama_draft", 2, 2), ("short_range", 3, 4)],
 )
 def test_speculative_decoding_is_lossless_at_every_pp(request, dm_target, plain_tokens, draft_fixture, pp, k):
-    from specdoctor.runtime.engine import Engine
-
-    draft = request.getfixturevalue(draft_fixture)
-    with Engine(options(dm_target, draft, pp=pp)) as engine:
-        result = engine.generate(PIPELINE_PROMPTS, NEW_TOKENS, num_speculative_tokens=k)
+    result = speculative_run(dm_target, request.getfixturevalue(draft_fixture), pp, k)
     assert result.tokens == plain_tokens
-    assert result.metrics.num_draft_tokens == k * result.metrics.num_drafts > 0
     if draft_fixture == "short_range":  # the target drafting for itself: every draft passes
         assert result.metrics.num_accepted_tokens == result.metrics.num_draft_tokens
 
@@ -62,7 +46,7 @@ def test_the_first_drafts_are_the_draft_models_own_greedy_continuation(dm_target
 
     k = 4
     draft = transformers.AutoModelForCausalLM.from_pretrained(first_layers, dtype=torch.float32).eval()
-    with Engine(options(dm_target, first_layers, pp=pp)) as engine:
+    with Engine(drafter_options(dm_target, first_layers, pp=pp)) as engine:
         for prompt in PIPELINE_PROMPTS:
             result = engine.generate([prompt], 2, num_speculative_tokens=k)
             context = torch.tensor([prompt + result.tokens[0][:1]])
@@ -74,7 +58,7 @@ def check(target, draft, **fields):
     """`check --repair` with the kind's default k and short battery answers."""
     from specdoctor.workflow.check import CheckOptions, run_check
 
-    runtime = options(target, draft, num_speculative_tokens=None, **fields)
+    runtime = drafter_options(target, draft, num_speculative_tokens=None, **fields)
     return run_check(CheckOptions(runtime, repair=True, max_tokens=16), show_progress=False)
 
 
@@ -161,7 +145,7 @@ def refusal(target, draft, **fields) -> str:
     from specdoctor.runtime.engine import Engine
 
     with pytest.raises(SpecdoctorError) as refused:
-        Engine(options(target, draft, **fields))
+        Engine(drafter_options(target, draft, **fields))
     message = str(refused.value)
     assert "\n" not in message
     return message
@@ -219,7 +203,7 @@ def test_the_memory_plan_holds_the_draft_models_own_cache(dm_target, first_layer
     kind = drafter_kind(checkpoint, str(dm_target), str(first_layers))
     ranks = placements(checkpoint.config, 2, None, has_drafter=True)
     batch, length = 9, 64
-    plan = plan_memory(checkpoint, ranks, kind, options(dm_target, first_layers, pp=2), batch, length)
+    plan = plan_memory(checkpoint, ranks, kind, drafter_options(dm_target, first_layers, pp=2), batch, length)
 
     def kv(config, layers: int) -> int:
         return 2 * layers * batch * length * config.num_key_value_heads * config.head_dim * 4

@@ -10,7 +10,7 @@ import pytest
 from tests.eagle3.spec_env import run_speculators
 from tests.helpers.families import SMALL, save_dense_checkpoint
 
-TOOL = Path(__file__).resolve().with_name("speculators_dspark.py")
+TOOL = Path(__file__).resolve().parents[1] / "eagle3" / "speculators_dspark.py"
 TARGET_LAYERS = 6
 MASK_TOKEN = SMALL["vocab_size"] - 1
 

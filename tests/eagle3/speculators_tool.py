@@ -57,17 +57,23 @@ def build(args) -> Eagle3DraftModel:
     )
 
 
-def write(args) -> None:
-    """A head with random weights, as trained ones look."""
-    model = build(args)
-    with torch.no_grad():  # trained-looking weights: the initialiser's near-zero linears and unit norms would hide
-        for name, parameter in model.named_parameters():  # mistakes in which norm or state goes where
+def look_trained(model) -> None:
+    """Random weights as trained ones look, the target's embedding and head kept: the initialiser's near-zero
+    linears and unit norms would hide mistakes in which norm or state goes where."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
             if name.startswith(("embed_tokens", "lm_head", "verifier_")):
                 continue
             if parameter.dim() == 1:
                 parameter.copy_(1.0 + 0.3 * torch.randn_like(parameter))
             else:
                 parameter.normal_(0.0, 1.0 / parameter.shape[1] ** 0.5)
+
+
+def write(args) -> None:
+    """A head with random weights, as trained ones look."""
+    model = build(args)
+    look_trained(model)
     model.save_pretrained(args.out)
 
 

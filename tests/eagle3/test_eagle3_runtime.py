@@ -14,24 +14,12 @@ import sys
 
 import pytest
 
-from tests.helpers.families import PIPELINE_PROMPTS
-
-NEW_TOKENS = 12
-
-
-def options(target, head, **fields):
-    from specdoctor.runtime.options import RuntimeOptions
-
-    return RuntimeOptions(str(target), speculative_model=str(head), timeout=60, **fields)
+from tests.helpers.drafter_runs import drafter_options, plain_tokens_of, speculative_run
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(eagle3_target):
-    from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.options import RuntimeOptions
-
-    with Engine(RuntimeOptions(str(eagle3_target), timeout=60)) as engine:
-        return engine.generate(PIPELINE_PROMPTS, NEW_TOKENS).tokens
+    return plain_tokens_of(eagle3_target)
 
 
 @pytest.mark.parametrize(
@@ -45,13 +33,7 @@ def plain_tokens(eagle3_target):
     ],
 )
 def test_speculative_decoding_is_lossless_at_every_pp(request, eagle3_target, plain_tokens, head_fixture, pp, k):
-    from specdoctor.runtime.engine import Engine
-
-    head = request.getfixturevalue(head_fixture)
-    with Engine(options(eagle3_target, head, pp=pp)) as engine:
-        result = engine.generate(PIPELINE_PROMPTS, NEW_TOKENS, num_speculative_tokens=k)
-    assert result.tokens == plain_tokens
-    assert result.metrics.num_draft_tokens == k * result.metrics.num_drafts > 0
+    assert speculative_run(eagle3_target, request.getfixturevalue(head_fixture), pp, k).tokens == plain_tokens
 
 
 # name: (head, loading, the check that names it at PP > 1, the drafter tensor a checkpoint read repairs or None
@@ -89,7 +71,7 @@ def drafter_errors(stage) -> set[str]:
 def test_each_fault_is_found_and_repaired_or_reported(request, eagle3_target, fault, pp):
     head_fixture, loading, signal, tensor, at_pp1 = FAULTS[fault]
     head = request.getfixturevalue(head_fixture)
-    report = check(options(eagle3_target, head, pp=pp, num_speculative_tokens=None, **loading))
+    report = check(drafter_options(eagle3_target, head, pp=pp, num_speculative_tokens=None, **loading))
     before = report.stages[0]
     # The output stays right (the failure is silent), except where the engine's first draft step fails on the
     # token ids a placeholder hands back, as vLLM's does.
@@ -230,7 +212,7 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target
     head = edited_head(pruned_head, tmp_path / "head", config_edit, drop)
     before = {path.name: path.read_bytes() for path in head.iterdir()}
     with pytest.raises(CheckpointError) as refused:
-        Engine(options(eagle3_target, head))
+        Engine(drafter_options(eagle3_target, head))
     assert message in str(refused.value) and "\n" not in str(refused.value)
     if any(word in message for word in ("model_type", "must be")):
         with pytest.raises(CheckpointError, match=message):

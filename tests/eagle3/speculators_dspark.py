@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.models.dspark import core as dspark_core
 from speculators.train.cli import create_transformer_layer_config
+from speculators_tool import look_trained  # its neighbour in this directory, on the script's path
 
 
 def write(args) -> None:
@@ -33,14 +34,7 @@ def write(args) -> None:
         enable_confidence_head=not args.no_confidence_head,
         draft_attn_impl="eager",
     )
-    with torch.no_grad():  # trained-looking weights: the initialiser's near-zero linears and unit norms would hide
-        for name, parameter in model.named_parameters():  # mistakes in which norm or state goes where
-            if name.startswith(("embed_tokens", "lm_head", "verifier_")):
-                continue
-            if parameter.dim() == 1:
-                parameter.copy_(1.0 + 0.3 * torch.randn_like(parameter))
-            else:
-                parameter.normal_(0.0, 1.0 / parameter.shape[1] ** 0.5)
+    look_trained(model)
     model.save_pretrained(args.out)
 
 
