@@ -38,7 +38,7 @@ class FakeEngine:
         self.options = SimpleNamespace(dtype=dtype)
         self.eos_token_ids = (EOS,)
         self.config = SimpleNamespace(num_hidden_layers=2, is_linear_attention=lambda i: i < recurrent)
-        self.drafter = SimpleNamespace(drafts_in_blocks=False)
+        self.drafter = SimpleNamespace(name="mtp", drafts_in_blocks=False)
         self.scored: list[list[int]] = []
 
     def prompt_logits(self, prompts):
