@@ -7,6 +7,7 @@ from specdoctor.checks.behaviour import CONSTANT_PROPOSALS_SHARE
 from specdoctor.checks.drafter_checkpoint import drafter_tensors
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
+from specdoctor.runtime.checkpoint.tokenizer import tokenizer_difference
 from specdoctor.runtime.drafter.draft_model import DraftModelKind
 from specdoctor.runtime.models.draft_model import DUMMY_DRAFT
 from specdoctor.runtime.partition import Placement
@@ -28,6 +29,17 @@ def draft_model_preflight(kind: DraftModelKind, ranks: list[Placement]) -> list[
             f"its own KV cache on rank {ranks[-1].rank}",
         )
     )
+    added = tokenizer_difference(kind.drafter.path, kind.target.path, added_tokens=True)
+    if added and not problems:  # the base vocabularies agree: only added (special) tokens differ
+        findings.append(
+            Finding(
+                "draft_model.special_ids",
+                "warning",
+                f"the draft model's added tokens differ from the target's: {added}",
+                "vLLM gives the draft the target's tokenizer; drafts of a special token the two models read "
+                "differently are rejected, the output stays right",
+            )
+        )
     if set(draft.eos_token_ids) != set(target.eos_token_ids):
         findings.append(
             Finding(

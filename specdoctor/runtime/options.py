@@ -235,6 +235,8 @@ class RuntimeOptions:
             )
         if self.timeout <= 0:
             raise SpecdoctorError(f"--timeout must be positive, got {self.timeout}")
+        if self.speculative_method in MTP_METHODS:  # vLLM's MTP names all mean the target's own MTP layers
+            object.__setattr__(self, "speculative_method", "mtp")
         if self.speculative_method not in (None, "mtp", *CHECKPOINT_METHODS):
             raise SpecdoctorError(
                 f"--speculative-method: unknown method {self.speculative_method!r} (choose from mtp, "
@@ -278,13 +280,14 @@ def options_from_speculative_config(text: str) -> dict:
             f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method, model, "
             "num_speculative_tokens and draft_sample_method)"
         )
-    method = config.get("method", "mtp")
-    if method not in MTP_METHODS + CHECKPOINT_METHODS:
+    # Without a method vLLM tells a drafter checkpoint's kind from it, and drafts with MTP layers without one.
+    method = config.get("method", "mtp" if "model" not in config else None)
+    if method is not None and method not in MTP_METHODS + CHECKPOINT_METHODS:
         raise SpecdoctorError(
             f"--speculative-config: method {method!r} is not run (MTP methods: {', '.join(MTP_METHODS)}; "
             f"drafter checkpoints: {', '.join(CHECKPOINT_METHODS)})"
         )
-    if (method in CHECKPOINT_METHODS) != ("model" in config):
+    if method is not None and (method in CHECKPOINT_METHODS) != ("model" in config):
         raise SpecdoctorError(
             f"--speculative-config: method {method!r} "
             + ("needs" if method in CHECKPOINT_METHODS else "takes no")
@@ -296,7 +299,7 @@ def options_from_speculative_config(text: str) -> dict:
         raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
     fields = {"num_speculative_tokens": k}
     if "method" in config:
-        fields["speculative_method"] = "mtp" if method in MTP_METHODS else method
+        fields["speculative_method"] = method
     if "model" in config:
         fields["speculative_model"] = str(config["model"])
     if "draft_sample_method" in config:

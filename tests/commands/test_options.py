@@ -80,10 +80,21 @@ def test_speculative_config_takes_a_dspark_drafter_checkpoint():
     }
 
 
+def test_speculative_config_without_a_method_leaves_the_kind_to_the_checkpoint():
+    """vLLM tells a drafter checkpoint's kind from it when the config names no method."""
+    config = json.dumps({"model": "/models/drafter", "num_speculative_tokens": 4})
+    assert options_from_speculative_config(config) == {
+        "num_speculative_tokens": 4,
+        "speculative_model": "/models/drafter",
+    }
+
+
 def test_speculative_config_accepts_every_mtp_method_name_vllm_registers():
     for method in ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mimo_mtp"):
         config = json.dumps({"method": method, "num_speculative_tokens": 3})
-        assert options_from_speculative_config(config) == {"num_speculative_tokens": 3, "speculative_method": "mtp"}
+        fields = options_from_speculative_config(config)
+        assert fields == {"num_speculative_tokens": 3, "speculative_method": method}
+        assert RuntimeOptions("demo", **fields).speculative_method == "mtp"  # every MTP name means the MTP layers
     sampled = '{"num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}'
     assert options_from_speculative_config(sampled)["draft_sample_method"] == "probabilistic"
 

@@ -249,7 +249,11 @@ def test_speculative_config_names_an_eagle3_head(eagle3_target, pruned_head):
     fields = options_from_speculative_config(
         json.dumps({"method": "eagle3", "model": str(pruned_head), "num_speculative_tokens": 4})
     )
-    assert fields == {"num_speculative_tokens": 4, "speculative_model": str(pruned_head)}
+    assert fields == {
+        "num_speculative_tokens": 4,
+        "speculative_method": "eagle3",
+        "speculative_model": str(pruned_head),
+    }
 
 
 def test_a_speculators_head_proposes_its_own_default_k(eagle3_target, pruned_head):
@@ -268,3 +272,32 @@ def test_an_engine_default_that_collapses_is_refused_before_any_rank_starts():
 
     with pytest.raises(SpecdoctorError, match=r"capture 2 distinct states \[2, 3\] of this 6-layer target"):
         Engine(RuntimeOptions("demo-dspark", tap_policy="engine-default"))
+
+
+def test_vllm_reads_a_plain_llama_config_named_by_method_eagle3_as_a_head(tmp_path, eagle3_target, original_head):
+    """Some heads ship `architectures: ["LlamaForCausalLM"]`: vLLM's EAGLEConfig takes them as EAGLE-3 heads when
+    the method says eagle3; without one the runtime reads a Llama config as a draft model."""
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.drafter.kinds import drafter_kind
+
+    head = edited_head(original_head, tmp_path / "head", lambda c: {**c, "architectures": ["LlamaForCausalLM"]})
+    target = Checkpoint(eagle3_target)
+    assert drafter_kind(target, str(eagle3_target), str(head), "eagle3").name == "eagle3"
+    assert drafter_kind(target, str(eagle3_target), str(head)).name == "draft_model"
+
+
+def test_a_qwen3_head_sizes_its_fc_by_vllms_qwen3_rule(qwen3_head):
+    """vLLM's Qwen3 EAGLE-3 model sizes fc from the config's own aux id list where no count is given; its Llama
+    model from eagle_config's ids only, else 3."""
+    from specdoctor.runtime.models.eagle3 import read_eagle3_config
+
+    config = json.loads((qwen3_head / "config.json").read_text())
+    layer = {
+        k: v
+        for k, v in config["transformer_layer_config"].items()
+        if k not in ("num_aux_hidden_states", "eagle_config")
+    }
+    four = {**config, "transformer_layer_config": layer, "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 6]}
+    assert read_eagle3_config(four).num_aux == 4
+    assert read_eagle3_config(with_layer(four, model_type="llama")).num_aux == 3
+    assert read_eagle3_config(with_layer(four, num_aux_layers=2)).num_aux == 2

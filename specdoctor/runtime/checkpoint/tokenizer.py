@@ -38,13 +38,16 @@ def model_eos_token_ids(model_path: Path, config_eos: tuple[int, ...], option: s
     return eos_token_ids(Tokenizer.from_file(str(file)) if file else None, config_eos)
 
 
-def tokenizer_difference(draft_dir: Path, target_dir: Path) -> str | None:
+def tokenizer_difference(draft_dir: Path, target_dir: Path, added_tokens: bool = False) -> str | None:
     """The first id two checkpoints' tokenizers give different tokens, said for people; None where they agree
-    (or either ships no tokenizer.json: nothing to compare)."""
+    (or either ships no tokenizer.json: nothing to compare). `added_tokens`: compare the added (special)
+    tokens too, not only the base vocabulary."""
     files = [tokenizer_file(path) for path in (draft_dir, target_dir)]
     if None in files:
         return None
-    draft, target = ({i: token for token, i in TextCodec(file).tokenizer.get_vocab(True).items()} for file in files)
+    draft, target = (
+        {i: token for token, i in TextCodec(file).tokenizer.get_vocab(added_tokens).items()} for file in files
+    )
     differing = next((i for i in sorted(draft.keys() | target.keys()) if draft.get(i) != target.get(i)), None)
     if differing is None:
         return None

@@ -3,6 +3,8 @@ of a runtime family, told apart by its config.json (runtime/models/dspark.py, ea
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -21,9 +23,13 @@ class DrafterCheckpoint(Checkpoint):
 
     what = "drafter"
 
-    @staticmethod
-    def read_config(raw, source: str):
-        if isinstance(raw, dict) and is_eagle3_config(raw):
+    def __init__(self, path, method: str | None = None):
+        self.method = method  # vLLM's "method" where the user named one: it reads the config by it
+        super().__init__(path)
+
+    def read_config(self, raw, source: str):
+        # vLLM's EAGLEConfig takes a plain Llama or Qwen3 config named by method eagle3 as an EAGLE-3 head.
+        if isinstance(raw, dict) and (is_eagle3_config(raw) or self.method == "eagle3"):
             return read_eagle3_config(raw, source)
         if isinstance(raw, dict) and is_dspark_config(raw):
             return read_dspark_config(raw, source)
@@ -44,7 +50,10 @@ class DrafterCheckpoint(Checkpoint):
 
 
 class OwnCheckpointKind(DrafterKind):
-    """A kind whose tensors are a checkpoint of its own, run beside a target without MTP layers."""
+    """A kind whose tensors are a checkpoint of its own, run beside a target without MTP layers (a draft model
+    beside any: vLLM leaves the target's MTP layers unused then)."""
+
+    runs_beside_mtp_layers: ClassVar[bool] = False
 
     def __init__(self, target: Checkpoint, drafter: DrafterCheckpoint):
         super().__init__(target)
@@ -70,7 +79,7 @@ class OwnCheckpointKind(DrafterKind):
 
     def require_runnable(self) -> None:
         target, drafter = self.target, self.drafter
-        if target.config.num_nextn_predict_layers:
+        if target.config.num_nextn_predict_layers and not self.runs_beside_mtp_layers:
             raise CheckpointError(
                 f"{target.path}: the target has its own MTP layers; a drafter checkpoint ({drafter.path}) is not "
                 "run beside them"

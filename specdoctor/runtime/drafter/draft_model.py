@@ -7,11 +7,14 @@ range (`--draft-range-policy dummy`), a wiring fault no checkpoint read repairs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.checkpoint.tokenizer import tokenizer_difference
+from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
@@ -27,6 +30,7 @@ class DraftModelKind(OwnCheckpointKind):
     label = "draft model"
     stats_parts = ("embed_tokens", "lm_head")
     reads_tokens = True
+    runs_beside_mtp_layers = True
 
     @property
     def draft_max_len(self) -> int:
@@ -39,7 +43,8 @@ class DraftModelKind(OwnCheckpointKind):
         problems = []
         if draft.vocab_size != target.vocab_size:  # vLLM: "should have the same vocabulary size"
             problems.append(f"its vocabulary of {draft.vocab_size} is not the target's {target.vocab_size}")
-        tokenizer = tokenizer_difference(self.drafter.path, self.target.path)  # same ids, other tokens: wrong drafts
+        # Same ids, other tokens: every draft is wrong. Added (special) tokens that differ only warn (checks/).
+        tokenizer = tokenizer_difference(self.drafter.path, self.target.path)
         if tokenizer:
             problems.append(tokenizer)
         if any(map(draft.is_linear_attention, range(draft.num_hidden_layers))):
@@ -57,8 +62,15 @@ class DraftModelKind(OwnCheckpointKind):
             "draft_max_len": self.draft_max_len,
         }
 
+    def run_config(self) -> ModelConfig:
+        """The draft's config with its rotary table over the target's positions too: past its own range
+        `fixed` drafts on, as an engine without vLLM's length gate does."""
+        config = self.drafter.config
+        positions = max(config.max_position_embeddings, self.target.config.max_position_embeddings)
+        return replace(config, max_position_embeddings=positions)
+
     def module(self) -> DraftModel:
-        return DraftModel(self.drafter.config)
+        return DraftModel(self.run_config())
 
     def checkpoint_key(self, name: str) -> str:
         return target_key_for(self.drafter)(name)
@@ -69,7 +81,7 @@ class DraftModelKind(OwnCheckpointKind):
 
     def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[DraftModel, Provenance]:
         dummy_past = self.draft_max_len if options.draft_range_policy == DraftRangePolicy.DUMMY else None
-        config, unloaded = self.drafter.config, options.head_policy == HeadPolicy.UNLOADED
+        config, unloaded = self.run_config(), options.head_policy == HeadPolicy.UNLOADED
         lazy = self.drafter.map_weights
         model = allocate(lambda: DraftModel(config, dummy_past), options.dtype.torch(), device, lazy)
         provenance = Provenance()

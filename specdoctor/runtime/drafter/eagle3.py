@@ -9,6 +9,8 @@ head is shared at any PP size; plus `--d2t-policy ignored`: a reduced vocabulary
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head_key
@@ -92,12 +94,17 @@ class Eagle3Kind(OwnCheckpointKind):
         }
 
     def module(self) -> Eagle3Drafter:
-        return Eagle3Drafter(self.drafter.config)
+        """vLLM raises a head's max_position_embeddings to the target's: it drafts in the target's positions
+        (`_maybe_override_draft_max_position_embeddings`, vllm#48894)."""
+        config = self.drafter.config
+        positions = max(config.backbone.max_position_embeddings, self.target.config.max_position_embeddings)
+        return Eagle3Drafter(replace(config, backbone=replace(config.backbone, max_position_embeddings=positions)))
 
     def checkpoint_key(self, name: str) -> str:
-        """The drafter checkpoint's key of a module tensor (the original layout keeps layer 0 as `midlayer.`)."""
-        original = self.drafter.config.layout == "original" and name.startswith("layers.0.")
-        return ORIGINAL_LAYER + name.removeprefix("layers.0.") if original else name
+        """The drafter checkpoint's key of a module tensor: an original-layout head may keep layer 0 as
+        `midlayer.` (vLLM maps it to `layers.0.`)."""
+        original = ORIGINAL_LAYER + name.removeprefix("layers.0.")
+        return original if name.startswith("layers.0.") and original in self.drafter.tensors else name
 
     def build(
         self, stage: TargetStage, options: RuntimeOptions, device: torch.device

@@ -47,7 +47,7 @@ def drafter_kind(
     path = drafter_checkpoint_path(model, speculative_model)
     kind = None
     if path is not None:
-        drafter = DrafterCheckpoint(path)
+        drafter = DrafterCheckpoint(path, method)
         kind = kind_of(drafter.config)(target, drafter)
     elif target.config.num_nextn_predict_layers:
         kind = MtpKind(target)

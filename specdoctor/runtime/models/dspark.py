@@ -43,7 +43,7 @@ SPECULATORS_FIELDS = (
 class DSparkConfig(DraftLayersConfig):
     architecture: str
     backbone: ModelConfig  # the draft layers, as a Qwen3 config (its vocabulary is the target's)
-    layer_ids: tuple[int, ...]  # target_layer_ids as config.json lists them (0-based target layers)
+    layer_ids: tuple[int, ...]  # the target layers whose outputs it reads (0-based), in the order listed
     # The residual-stream entries the drafter reads, as vLLM captures them: entry j is the state entering
     # target layer j (j = 0: the embedding output; j = num_hidden_layers: after the last layer). vLLM takes
     # a DSpark id i as entry i + 1 (the output of layer i) and sorts and de-duplicates them.
@@ -61,8 +61,9 @@ class DSparkConfig(DraftLayersConfig):
 
 
 def _layer_ids(raw: RawConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(ids as listed, vLLM's capture entries), in the order vLLM's get_eagle3_aux_layers_from_config reads
-    them: `eagle_aux_hidden_state_layer_ids` are entries already; the DFlash / DSpark ids are taken + 1."""
+    """(the target layers whose outputs it reads, in listed order; vLLM's capture entries), in the order vLLM's
+    get_eagle3_aux_layers_from_config reads them: `eagle_aux_hidden_state_layer_ids` are entries already (layer
+    id + 1); the DFlash / DSpark ids are layers, taken + 1."""
     dflash = raw.get("dflash_config") or {}
     listed = raw.get("eagle_aux_hidden_state_layer_ids")
     shift = 0
@@ -71,7 +72,7 @@ def _layer_ids(raw: RawConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
         shift = 1
     if not listed or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
         raise CheckpointError(f"{raw.source}: a DSpark drafter needs target_layer_ids, a list of target layer ids")
-    return tuple(listed), tuple(sorted({i + shift for i in listed}))
+    return tuple(i + shift - 1 for i in listed), tuple(sorted({i + shift for i in listed}))
 
 
 def _mask_token_id(raw: RawConfig) -> int:

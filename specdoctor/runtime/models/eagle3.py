@@ -25,7 +25,7 @@ from specdoctor.runtime.models.mtp import draft_chain
 from specdoctor.runtime.models.rope import rotary_cos_sin
 
 SPECULATORS_TYPE = "eagle3"  # `speculators_model_type` of the speculators format
-ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
 DEFAULT_AUX_COUNT = 3  # vLLM's fc width (in aux states) when a config names neither a count nor eagle_config ids
 # The layer families vLLM 0.32 runs EAGLE-3 heads of (llama_eagle3.py, qwen3_eagle3.py), by the layer config's
 # model_type: its config reader, and vLLM's architecture name. One block serves both (Qwen3's q/k norm is a
@@ -115,6 +115,20 @@ def _object(fields: RawConfig, name: str) -> dict:
     return value
 
 
+def _aux_count(layer: RawConfig, model_type: str, raw: dict, eagle_ids) -> int:
+    """How many aux states vLLM builds fc for: `num_aux_hidden_states`, else eagle_config's ids, else 3; its
+    Qwen3 head reads `num_aux_layers` first and the config's own id list before eagle_config's (the speculators
+    format's top-level ids are copied onto the layer config)."""
+    listed = eagle_ids
+    if model_type == "qwen3":
+        count = _number(layer, "num_aux_layers", None, int)
+        if count is not None:
+            return count
+        listed = _ids(layer.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids"),
+                      layer.source) or eagle_ids  # fmt: skip
+    return _number(layer, "num_aux_hidden_states", len(listed) if listed else DEFAULT_AUX_COUNT, int)
+
+
 def _proposal_tokens(fields: RawConfig) -> int | None:
     methods = _object(fields, "speculators_config").get("proposal_methods")
     first = methods[0] if isinstance(methods, list) and methods else {}
@@ -149,7 +163,7 @@ def read_eagle3_config(raw, source: str = "config.json") -> Eagle3Config:
         draft_vocab_size=_number(top, "draft_vocab_size", backbone.vocab_size, int),
         target_hidden_size=_number(top, "target_hidden_size", backbone.hidden_size, int),
         aux_layer_ids=_ids(raw.get("eagle_aux_hidden_state_layer_ids"), source) or eagle_ids,
-        num_aux=_number(layer, "num_aux_hidden_states", len(eagle_ids) if eagle_ids else DEFAULT_AUX_COUNT, int),
+        num_aux=_aux_count(layer, model_type, raw, eagle_ids),
         norm_before_fc=bool(eagle.get("norm_before_fc", raw.get("norm_before_fc", False))),
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
