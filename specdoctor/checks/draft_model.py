@@ -7,7 +7,6 @@ from specdoctor.checks.behaviour import CONSTANT_PROPOSALS_SHARE
 from specdoctor.checks.drafter_checkpoint import drafter_tensors
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
-from specdoctor.runtime.checkpoint.tokenizer import tokenizer_difference
 from specdoctor.runtime.drafter.draft_model import DraftModelKind
 from specdoctor.runtime.models.draft_model import DUMMY_DRAFT
 from specdoctor.runtime.partition import Placement
@@ -29,7 +28,7 @@ def draft_model_preflight(kind: DraftModelKind, ranks: list[Placement]) -> list[
             f"its own KV cache on rank {ranks[-1].rank}",
         )
     )
-    added = tokenizer_difference(kind.drafter.path, kind.target.path, added_tokens=True)
+    _, added = kind.tokenizer_differences
     if added and not problems:  # the base vocabularies agree: only added (special) tokens differ
         findings.append(
             Finding(

@@ -264,8 +264,9 @@ CHECKPOINT_METHODS = ("dspark", "eagle3", "draft_model")
 
 def options_from_speculative_config(text: str) -> dict:
     """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens, and, if given,
-    draft_sample_method, the method (vLLM's MTP names read as "mtp") and the drafter checkpoint ("model", with a
-    method of CHECKPOINT_METHODS). Keys the runtime cannot honour are refused, not ignored."""
+    draft_sample_method, the method as given (RuntimeOptions reads vLLM's MTP names as "mtp") and the drafter
+    checkpoint ("model", with a method of CHECKPOINT_METHODS, or none: the checkpoint tells its kind). Keys the
+    runtime cannot honour are refused, not ignored."""
     import json
 
     try:

@@ -15,7 +15,14 @@ import sys
 import pytest
 
 from tests.draft_model.conftest import SHORT_RANGE
-from tests.helpers.drafter_runs import NEW_TOKENS, drafter_options, plain_tokens_of, speculative_run
+from tests.helpers.drafter_runs import (
+    NEW_TOKENS,
+    drafter_options,
+    plain_tokens_of,
+    preflight_by_check,
+    repaired_check,
+    speculative_run,
+)
 from tests.helpers.families import PIPELINE_PROMPTS
 
 
@@ -55,11 +62,7 @@ def test_the_first_drafts_are_the_draft_models_own_greedy_continuation(dm_target
 
 
 def check(target, draft, **fields):
-    """`check --repair` with the kind's default k and short battery answers."""
-    from specdoctor.workflow.check import CheckOptions, run_check
-
-    runtime = drafter_options(target, draft, num_speculative_tokens=None, **fields)
-    return run_check(CheckOptions(runtime, repair=True, max_tokens=16), show_progress=False)
+    return repaired_check(target, draft, 16, **fields)
 
 
 def errors(findings) -> set[str]:
@@ -79,20 +82,20 @@ def test_dummy_drafts_past_the_position_range_are_found_and_reported_not_repaira
 
 
 def test_past_its_range_a_fixed_engine_keeps_drafting(dm_target, short_range):
+    from specdoctor.runtime.engine import Engine
+
     report = check(dm_target, short_range, pp=2)
     assert report.exit_code == 0, report.verdict()
     assert report.stages[0].behaviour["metrics"]["acceptance_rate"] == 1.0
     long_prompt = [5 + i % 300 for i in range(4 * SHORT_RANGE)]  # far past the draft's own rotary range
     assert speculative_run(dm_target, short_range, 2, 3).metrics.acceptance_rate == 1.0
-    from specdoctor.runtime.engine import Engine
-
     with Engine(drafter_options(dm_target, short_range, pp=2)) as engine:
         plain = engine.generate([long_prompt], NEW_TOKENS).tokens
         drafted = engine.generate([long_prompt], NEW_TOKENS, num_speculative_tokens=3)
     assert drafted.tokens == plain and drafted.metrics.acceptance_rate == 1.0
 
 
-def test_a_draft_model_runs_beside_a_target_with_mtp_layers(tmp_path):
+def test_a_draft_model_runs_beside_a_target_with_mtp_layers():
     """vLLM leaves the target's MTP layers unused then: the demo drafting for itself accepts every draft."""
     from specdoctor.runtime.checkpoint.files import DEMO_DIR
 
@@ -109,29 +112,15 @@ def test_an_unloaded_head_is_found_by_content_and_repaired(dm_target, first_laye
     assert not {c for c in errors(after.findings) if c.startswith("drafter.")} and after.behaviour["battery"] == "9/9"
 
 
-def preflight(target, draft, pp: int = 2) -> dict[str, list]:
-    from specdoctor.checks.preflight import preflight as run_preflight
-    from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
-    from specdoctor.runtime.partition import placements
-
-    checkpoint = Checkpoint(target)
-    kind = drafter_kind(checkpoint, str(target), str(draft))
-    grouped: dict[str, list] = {}
-    for finding in run_preflight(checkpoint, placements(checkpoint.config, pp, None, has_drafter=True), kind):
-        grouped.setdefault(finding.check, []).append(finding)
-    return grouped
-
-
 def test_preflight_reads_the_pair(dm_target, llama_draft, first_layers):
-    found = preflight(dm_target, llama_draft)
+    found = preflight_by_check(dm_target, llama_draft, 2)
     assert "LlamaForCausalLM, 1 layer(s)" in found["draft_model.config"][0].message
     assert found["draft_model.tensors"][0].severity == "info"
     # transformers' own defaults: LlamaConfig ends sequences at id 2, Qwen3Config names no end id
     warning = found["draft_model.special_ids"][0]
     assert warning.severity == "warning" and "ids [2] are not the target's []" in warning.message
     assert "draft_model.position_range" not in found
-    same_family = preflight(dm_target, first_layers)
+    same_family = preflight_by_check(dm_target, first_layers, 2)
     assert not {"draft_model.pairing", "draft_model.special_ids"} & set(same_family)
 
 
@@ -175,9 +164,10 @@ def test_pairs_that_do_not_fit_are_refused_before_any_rank_starts(dm_target, lla
     other = with_tokenizer(llama_draft, tmp_path / "other-tokenizer", 1)
     assert "its tokenizer has 't1' at id 0 where the target's has 't0'" in refusal(target, other)
     same = with_tokenizer(llama_draft, tmp_path / "same-tokenizer", 0)
-    assert "draft_model.pairing" not in preflight(target, same)
+    assert "draft_model.pairing" not in preflight_by_check(target, same, 2)
     other_special = with_tokenizer(llama_draft, tmp_path / "other-special", 0, special="<pad>")
-    found = preflight(target, other_special)  # vLLM gives the draft the target's tokenizer: a warning, not a refusal
+    # vLLM gives the draft the target's tokenizer: added tokens that differ warn, they do not refuse
+    found = preflight_by_check(target, other_special, 2)
     assert "draft_model.pairing" not in found
     assert any(
         "'<pad>' at id 319 where the target's has '<end>'" in f.message for f in found["draft_model.special_ids"]

@@ -14,7 +14,13 @@ import sys
 
 import pytest
 
-from tests.helpers.drafter_runs import drafter_options, plain_tokens_of, speculative_run
+from tests.helpers.drafter_runs import (
+    drafter_options,
+    plain_tokens_of,
+    preflight_by_check,
+    repaired_check,
+    speculative_run,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +61,6 @@ FAULTS = {
 }  # fmt: skip
 
 
-def check(runtime):
-    """`check --repair` with short battery answers: the untrained heads' verdicts rest on content and taps."""
-    from specdoctor.workflow.check import CheckOptions, run_check
-
-    return run_check(CheckOptions(runtime, repair=True, max_tokens=8), show_progress=False)
-
-
 def drafter_errors(stage) -> set[str]:
     return {f.check for f in stage.findings if f.severity == "error" and f.check.startswith("drafter.")}
 
@@ -71,7 +70,8 @@ def drafter_errors(stage) -> set[str]:
 def test_each_fault_is_found_and_repaired_or_reported(request, eagle3_target, fault, pp):
     head_fixture, loading, signal, tensor, at_pp1 = FAULTS[fault]
     head = request.getfixturevalue(head_fixture)
-    report = check(drafter_options(eagle3_target, head, pp=pp, num_speculative_tokens=None, **loading))
+    # short battery answers: the untrained heads' verdicts rest on content and taps
+    report = repaired_check(eagle3_target, head, 8, pp=pp, **loading)
     before = report.stages[0]
     # The output stays right (the failure is silent), except where the engine's first draft step fails on the
     # token ids a placeholder hands back, as vLLM's does.
@@ -89,37 +89,22 @@ def test_each_fault_is_found_and_repaired_or_reported(request, eagle3_target, fa
         assert drafter_errors(after) == set() and after.behaviour["battery"] == "9/9", after.findings
 
 
-def preflight(target, head, pp: int) -> dict[str, list]:
-    from specdoctor.checks.preflight import preflight as run_preflight
-    from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
-    from specdoctor.runtime.partition import placements
-
-    checkpoint = Checkpoint(target)
-    kind = drafter_kind(checkpoint, str(target), str(head))
-    findings = run_preflight(checkpoint, placements(checkpoint.config, pp, None, has_drafter=True), kind)
-    grouped: dict[str, list] = {}
-    for finding in findings:
-        grouped.setdefault(finding.check, []).append(finding)
-    return grouped
-
-
 def test_preflight_warns_where_the_engine_guesses_the_aux_layers(eagle3_target, original_head, pruned_head):
-    guessed = preflight(eagle3_target, original_head, 2)
+    guessed = preflight_by_check(eagle3_target, original_head, 2)
     warning = guessed["eagle3.aux_ids"][0]
     assert warning.severity == "warning" and "entering layers [2, 4, 5] of 8" in warning.message
     assert "original layout" in guessed["eagle3.config"][0].message
-    named = preflight(eagle3_target, pruned_head, 4)
+    named = preflight_by_check(eagle3_target, pruned_head, 4)
     assert "eagle3.aux_ids" not in named and "draft vocabulary 200 of 320" in named["eagle3.config"][0].message
     taps = named["placement.taps"][0]  # aux entries 1, 3, 6 of 8 layers over 4 ranks: two travel
     assert taps.severity == "warning" and taps.data["owners"] == {0: 0, 2: 1, 5: 2}
 
 
 def test_preflight_names_an_embedding_the_drafters_rank_lacks(eagle3_target, shared_head):
-    findings = preflight(eagle3_target, shared_head, 4)
+    findings = preflight_by_check(eagle3_target, shared_head, 4)
     assert "never shares it at PP > 1" in findings["placement.drafter_embedding"][0].hint
     assert "embedding: the target's, head: the target's" in findings["eagle3.tensors"][0].message
-    assert "placement.drafter_embedding" not in preflight(eagle3_target, shared_head, 1)
+    assert "placement.drafter_embedding" not in preflight_by_check(eagle3_target, shared_head, 1)
     assert "placement.aux_relay" not in findings  # vLLM's Llama relays aux states between ranks
 
 
@@ -129,9 +114,9 @@ def test_preflight_warns_where_vllm_relays_no_aux_states():
 
     head = DEMO_DRAFTERS["demo-eagle3"]
     assert "refuses the EAGLE-3 head at PP 2 beside Glm4MoeForCausalLM" in (
-        preflight(DEMO_MODELS["demo"], head, 2)["placement.aux_relay"][0].message
+        preflight_by_check(DEMO_MODELS["demo"], head, 2)["placement.aux_relay"][0].message
     )
-    assert "placement.aux_relay" not in preflight(DEMO_MODELS["demo"], head, 1)
+    assert "placement.aux_relay" not in preflight_by_check(DEMO_MODELS["demo"], head, 1)
 
 
 def edited_head(source, out, config_edit=None, drop=()):
@@ -216,9 +201,9 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, eagle3_target
     assert message in str(refused.value) and "\n" not in str(refused.value)
     if any(word in message for word in ("model_type", "must be")):
         with pytest.raises(CheckpointError, match=message):
-            preflight(eagle3_target, head, 1)
+            preflight_by_check(eagle3_target, head, 1)
     elif "d2t maps" not in message:
-        assert any(message in f.message for f in preflight(eagle3_target, head, 1).get("eagle3.pairing", []))
+        assert any(message in f.message for f in preflight_by_check(eagle3_target, head, 1).get("eagle3.pairing", []))
     assert {path.name: path.read_bytes() for path in head.iterdir()} == before  # nothing written to the head
 
 

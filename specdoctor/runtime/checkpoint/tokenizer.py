@@ -38,20 +38,27 @@ def model_eos_token_ids(model_path: Path, config_eos: tuple[int, ...], option: s
     return eos_token_ids(Tokenizer.from_file(str(file)) if file else None, config_eos)
 
 
-def tokenizer_difference(draft_dir: Path, target_dir: Path, added_tokens: bool = False) -> str | None:
-    """The first id two checkpoints' tokenizers give different tokens, said for people; None where they agree
-    (or either ships no tokenizer.json: nothing to compare). `added_tokens`: compare the added (special)
-    tokens too, not only the base vocabulary."""
+def tokenizer_differences(draft_dir: Path, target_dir: Path) -> tuple[str | None, str | None]:
+    """Where two checkpoints' tokenizers first give an id different tokens, said for people: (in the base
+    vocabulary, with the added (special) tokens too); None where they agree, or where either ships no
+    tokenizer.json (nothing to compare). Each file is read once."""
     files = [tokenizer_file(path) for path in (draft_dir, target_dir)]
     if None in files:
-        return None
-    draft, target = (
-        {i: token for token, i in TextCodec(file).tokenizer.get_vocab(added_tokens).items()} for file in files
+        return None, None
+    draft, target = (TextCodec(file).tokenizer for file in files)
+    base, full = (first_difference(draft.get_vocab(added), target.get_vocab(added)) for added in (False, True))
+    return base, full
+
+
+def first_difference(draft: dict[str, int], target: dict[str, int]) -> str | None:
+    """The first id two vocabularies (token -> id) give different tokens."""
+    tokens = [{i: token for token, i in vocab.items()} for vocab in (draft, target)]
+    differing = next(
+        (i for i in sorted(tokens[0].keys() | tokens[1].keys()) if tokens[0].get(i) != tokens[1].get(i)), None
     )
-    differing = next((i for i in sorted(draft.keys() | target.keys()) if draft.get(i) != target.get(i)), None)
     if differing is None:
         return None
-    theirs, ours = draft.get(differing), target.get(differing)
+    theirs, ours = tokens[0].get(differing), tokens[1].get(differing)
     return f"its tokenizer has {theirs!r} at id {differing} where the target's has {ours!r}"
 
 

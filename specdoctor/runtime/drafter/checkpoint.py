@@ -3,6 +3,7 @@ of a runtime family, told apart by its config.json (runtime/models/dspark.py, ea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 from specdoctor.errors import CheckpointError
@@ -102,6 +103,12 @@ class OwnCheckpointKind(DrafterKind):
     def checkpoint_key(self, name: str) -> str:
         """The drafter checkpoint's key of one of its module's tensors."""
         return name
+
+    def over_target_positions(self, config: ModelConfig) -> ModelConfig:
+        """Draft layers' config with its position range raised to the target's where shorter: the drafter
+        runs at the target's positions, so its rotary table must cover them."""
+        positions = max(config.max_position_embeddings, self.target.config.max_position_embeddings)
+        return replace(config, max_position_embeddings=positions)
 
     def expected_source(self, name: str) -> Source:
         """The drafter's own tensor, else (embedding and head) the target's."""

@@ -7,14 +7,13 @@ range (`--draft-range-policy dummy`), a wiring fault no checkpoint read repairs.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from functools import cached_property
 
 import torch
 
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
-from specdoctor.runtime.checkpoint.tokenizer import tokenizer_difference
-from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.checkpoint.tokenizer import tokenizer_differences
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
@@ -44,12 +43,17 @@ class DraftModelKind(OwnCheckpointKind):
         if draft.vocab_size != target.vocab_size:  # vLLM: "should have the same vocabulary size"
             problems.append(f"its vocabulary of {draft.vocab_size} is not the target's {target.vocab_size}")
         # Same ids, other tokens: every draft is wrong. Added (special) tokens that differ only warn (checks/).
-        tokenizer = tokenizer_difference(self.drafter.path, self.target.path)
-        if tokenizer:
-            problems.append(tokenizer)
+        base, _ = self.tokenizer_differences
+        if base:
+            problems.append(base)
         if any(map(draft.is_linear_attention, range(draft.num_hidden_layers))):
             problems.append("its linear-attention layers keep a recurrent state the runtime does not roll back")
         return problems
+
+    @cached_property
+    def tokenizer_differences(self) -> tuple[str | None, str | None]:
+        """(base vocabulary, with added tokens): read once, for the refusal and the pre-flight alike."""
+        return tokenizer_differences(self.drafter.path, self.target.path)
 
     def config_summary(self) -> dict:
         config = self.drafter.config
@@ -62,18 +66,18 @@ class DraftModelKind(OwnCheckpointKind):
             "draft_max_len": self.draft_max_len,
         }
 
-    def run_config(self) -> ModelConfig:
-        """The draft's config with its rotary table over the target's positions too: past its own range
-        `fixed` drafts on, as an engine without vLLM's length gate does."""
-        config = self.drafter.config
-        positions = max(config.max_position_embeddings, self.target.config.max_position_embeddings)
-        return replace(config, max_position_embeddings=positions)
-
     def module(self) -> DraftModel:
-        return DraftModel(self.run_config())
+        """Its rotary table covers the target's positions too: past its own range `fixed` drafts on, as an
+        engine without vLLM's length gate does."""
+        return DraftModel(self.over_target_positions(self.drafter.config))
+
+    @cached_property
+    def key_for(self):
+        """name -> key: the target loader's rule, on the draft's checkpoint (its embedding's key found once)."""
+        return target_key_for(self.drafter)
 
     def checkpoint_key(self, name: str) -> str:
-        return target_key_for(self.drafter)(name)
+        return self.key_for(name)
 
     def expected_source(self, name: str) -> Source:
         """Always its own checkpoint's tensor: vLLM shares nothing of the target's with a draft model."""
@@ -81,7 +85,7 @@ class DraftModelKind(OwnCheckpointKind):
 
     def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[DraftModel, Provenance]:
         dummy_past = self.draft_max_len if options.draft_range_policy == DraftRangePolicy.DUMMY else None
-        config, unloaded = self.run_config(), options.head_policy == HeadPolicy.UNLOADED
+        config, unloaded = self.over_target_positions(self.drafter.config), options.head_policy == HeadPolicy.UNLOADED
         lazy = self.drafter.map_weights
         model = allocate(lambda: DraftModel(config, dummy_past), options.dtype.torch(), device, lazy)
         provenance = Provenance()

@@ -97,8 +97,7 @@ class Eagle3Kind(OwnCheckpointKind):
         """vLLM raises a head's max_position_embeddings to the target's: it drafts in the target's positions
         (`_maybe_override_draft_max_position_embeddings`, vllm#48894)."""
         config = self.drafter.config
-        positions = max(config.backbone.max_position_embeddings, self.target.config.max_position_embeddings)
-        return Eagle3Drafter(replace(config, backbone=replace(config.backbone, max_position_embeddings=positions)))
+        return Eagle3Drafter(replace(config, backbone=self.over_target_positions(config.backbone)))
 
     def checkpoint_key(self, name: str) -> str:
         """The drafter checkpoint's key of a module tensor: an original-layout head may keep layer 0 as
