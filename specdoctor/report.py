@@ -153,20 +153,46 @@ class CheckReport(Report):
         }
 
 
+NOT_RUN = "not run"
+
+
+@dataclass
+class Sweep:
+    """One of probe's sweeps (probe/sweeps.py): its points (one group of requests each, e.g. a context-length
+    bucket) and its findings; a sweep the server could not support is NOT_RUN, with the reason."""
+
+    name: str  # battery | context | concurrency | sampling | reference
+    status: str  # passed | failed | NOT_RUN
+    summary: str  # one line: what was measured, or why it was not run
+    source: str | None = None  # where acceptance figures came from: per-request, sglang, metrics
+    points: list[dict] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+
 @dataclass
 class ProbeReport(Report):
-    schema: ClassVar[str] = "specdoctor.probe/1"
+    schema: ClassVar[str] = "specdoctor.probe/2"
     url: str
     served_model: str
     engine: str  # what /v1/models says owns the model: vllm, sglang, specdoctor, ...
     settings: dict
-    source: str  # where the acceptance figures came from: per-request, sglang, metrics or none
+    source: str  # where the battery's acceptance figures came from: per-request, sglang, metrics or none
     battery: str  # "n/n answered"
-    metrics: dict | None  # vLLM's counters and derived rates for the probe's traffic (None: none offered)
-    findings: list[Finding] = field(default_factory=list)
+    metrics: dict | None  # vLLM's counters and derived rates for the battery (None: none offered)
+    findings: list[Finding] = field(default_factory=list)  # the battery's
+    sweeps: list[Sweep] = field(default_factory=list)  # the sweeps asked for, in the order they ran
 
     def all_findings(self) -> list[Finding]:
-        return self.findings
+        return self.findings + [f for sweep in self.sweeps for f in sweep.findings]
+
+    def verdict(self) -> str:
+        """A sweep that was asked for and not run makes the verdict "not verified", naming it and why."""
+        not_run = [s for s in self.sweeps if s.status == NOT_RUN]
+        if not not_run:
+            return super().verdict()
+        others = [f for f in self.all_findings() if f.severity == "error" and not f.data.get("not_run")]
+        found = f"; {len(others)} error finding(s): {others[0].message}" if others else ""
+        return "not verified: " + "; ".join(f"{s.name}: {s.summary}" for s in not_run) + found
 
     def to_dict(self) -> dict:
         return {
@@ -178,7 +204,8 @@ class ProbeReport(Report):
             "source": self.source,
             "battery": self.battery,
             "metrics": self.metrics,
-            "findings": [asdict(f) for f in self.findings],
+            "sweeps": [asdict(s) for s in self.sweeps],
+            "findings": [asdict(f) for f in self.all_findings()],
             "verdict": self.verdict_dict(),
         }
 

@@ -38,7 +38,7 @@ class ServeOptions:
     max_waiting: int = 256
 
 
-@runtime_command(num_speculative_tokens=None)  # MTP: 3; a DSpark drafter: its block size (vLLM's default)
+@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True)  # k: MTP 3, DSpark its block size
 def serve(
     runtime: RuntimeOptions,
     host: HostOption = "127.0.0.1",

@@ -12,77 +12,105 @@ could double count. Acceptance comes from the best source the server offers:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 
-from specdoctor.battery import load_battery
-from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH, acceptance_findings, bigram_baseline
+from specdoctor.checks.acceptance import acceptance_findings
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
-from specdoctor.report import Finding, ProbeReport
+from specdoctor.probe.options import ProbeOptions
+from specdoctor.report import Finding
 from specdoctor.runtime.decode.metrics import SpecMetrics
 
 
+class BudgetSpent(SpecdoctorError):
+    """The probe's whole budget (--timeout) ran out: the sweep under way and the ones after it are not run."""
+
+
 @dataclass(frozen=True)
-class ProbeOptions:
-    url: str
-    api_key: str | None = None
-    model: str | None = None
-    battery: Path | None = None
-    min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
-    max_tokens: int = 32
-    request_timeout: float = 60.0
-    timeout: float = 600.0
+class Served:
+    """What /v1/models says of the probed model."""
+
+    model: str
+    engine: str  # `owned_by`: vllm, sglang, specdoctor, ...
+    max_model_len: int | None  # vLLM's and specdoctor's model cards carry it
+
+
+@dataclass
+class Window:
+    """One group of requests: the replies, the errors, and the acceptance figures of exactly this group."""
+
+    source: str
+    metrics: SpecMetrics | dict | None
+    replies: list[dict]
+    errors: list[str]
+
+    @property
+    def position0(self) -> tuple[int, int] | None:
+        """(position-0 acceptances, drafts), where the source counts them (SGLang's does not)."""
+        if not isinstance(self.metrics, SpecMetrics) or not self.metrics.num_drafts:
+            return None
+        return (self.metrics.num_accepted_tokens_per_pos or [0])[0], self.metrics.num_drafts
+
+    @property
+    def mean_length(self) -> float | None:
+        if isinstance(self.metrics, SpecMetrics):
+            return self.metrics.mean_acceptance_length if self.metrics.num_drafts else None
+        return self.metrics["mean_acceptance_length"] if self.metrics else None
+
+    def figures(self) -> dict:
+        """The point's acceptance figures, as reports show them."""
+        metrics = self.metrics.to_dict() if isinstance(self.metrics, SpecMetrics) else self.metrics
+        return {"source": self.source, "requests": len(self.replies), "errors": len(self.errors), "metrics": metrics}
 
 
 class Probe:
-    def __init__(self, options: ProbeOptions):
+    def __init__(self, options: ProbeOptions, url: str | None = None):
         self.options = options
+        self.url = (url or options.url).rstrip("/")
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        self.client = httpx.Client(base_url=options.url.rstrip("/"), headers=headers, timeout=options.request_timeout)
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=options.request_timeout)
         self.deadline = time.monotonic() + options.timeout
 
     def get(self, path: str) -> httpx.Response:
         try:
             return self.client.get(path)
         except httpx.HTTPError as err:
-            raise SpecdoctorError(
-                f"{self.options.url}: cannot reach the server ({type(err).__name__}: {err})"
-            ) from None
+            raise SpecdoctorError(f"{self.url}: cannot reach the server ({type(err).__name__}: {err})") from None
 
-    def served_model(self) -> tuple[str, str]:
-        """(the model to probe, the engine that serves it: /v1/models' `owned_by`, e.g. vllm or sglang)."""
+    def served_model(self, wanted: str | None = None) -> Served:
+        """The model to probe (`wanted`, else the first listed) as /v1/models describes it."""
         response = self.get("/v1/models")
         if response.status_code == 401:
-            raise SpecdoctorError(f"{self.options.url}: the server wants an API key (--api-key)")
+            raise SpecdoctorError(f"{self.url}: the server wants an API key (--api-key)")
         try:
-            owners = {entry["id"]: str(entry.get("owned_by", "")) for entry in response.json()["data"]}
+            cards = {entry["id"]: entry for entry in response.json()["data"]}
         except (ValueError, KeyError, TypeError):
             raise SpecdoctorError(
-                f"{self.options.url}: not an OpenAI-compatible server (GET /v1/models answered "
+                f"{self.url}: not an OpenAI-compatible server (GET /v1/models answered "
                 f"{response.status_code} without a model list)"
             ) from None
-        if not owners:
-            raise SpecdoctorError(f"{self.options.url}: GET /v1/models lists no model")
-        if self.options.model and self.options.model not in owners:
-            raise SpecdoctorError(
-                f"{self.options.url}: model {self.options.model!r} is not served (serving {list(owners)})"
-            )
-        model = self.options.model or next(iter(owners))
-        return model, owners[model]
+        if not cards:
+            raise SpecdoctorError(f"{self.url}: GET /v1/models lists no model")
+        if wanted and wanted not in cards:
+            raise SpecdoctorError(f"{self.url}: model {wanted!r} is not served (serving {list(cards)})")
+        model = wanted or next(iter(cards))
+        length = cards[model].get("max_model_len")
+        return Served(model, str(cards[model].get("owned_by", "")), length if isinstance(length, int) else None)
 
     def scrape(self) -> SpecMetrics | None:
         response = self.get("/metrics")
         if response.status_code != 200:
             return None
-        return prometheus.spec_counters(prometheus.parse(response.text, f"{self.options.url}/metrics"))
+        return prometheus.spec_counters(prometheus.parse(response.text, f"{self.url}/metrics"))
 
-    def complete(self, model: str, prompt: str | list[int]) -> dict:
-        """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input."""
+    def complete(self, model: str, prompt: str | list[int], **fields) -> dict:
+        """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input.
+        Greedy with the probe's max_tokens unless `fields` say otherwise."""
         if time.monotonic() > self.deadline:
-            raise SpecdoctorError(f"the probe ran past its {self.options.timeout:.0f} s limit")
+            raise BudgetSpent(f"the probe ran past its {self.options.timeout:.0f} s budget (--timeout)")
         # return_token_ids: vLLM then returns the completion's token ids (for the bigram baseline); others ignore it.
         body = {
             "model": model,
@@ -90,11 +118,12 @@ class Probe:
             "max_tokens": self.options.max_tokens,
             "temperature": 0,
             "return_token_ids": True,
+            **fields,
         }
         try:
             response = self.client.post("/v1/completions", json=body)
         except httpx.HTTPError as err:
-            raise SpecdoctorError(f"{self.options.url}: a completion failed ({type(err).__name__}: {err})") from None
+            raise SpecdoctorError(f"{self.url}: a completion failed ({type(err).__name__}: {err})") from None
         if response.status_code != 200:
             return {"error": f"POST /v1/completions answered {response.status_code}: {response.text[:200]}"}
         try:
@@ -102,24 +131,21 @@ class Probe:
         except ValueError:
             return {"error": f"POST /v1/completions answered 200 without JSON: {response.text[:200]}"}
 
+    def complete_all(self, model: str, prompts: list, concurrency: int = 1, **fields) -> list[dict]:
+        """Every prompt's reply, in order, with at most `concurrency` requests in flight."""
+        if concurrency == 1:
+            return [self.complete(model, prompt, **fields) for prompt in prompts]
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda prompt: self.complete(model, prompt, **fields), prompts))
 
-def run_probe(options: ProbeOptions) -> ProbeReport:
-    probe = Probe(options)
-    battery = load_battery(options.battery)
-    model, engine = probe.served_model()
-    before = probe.scrape()
-    answers = [probe.complete(model, entry.get("prompt", entry.get("token_ids"))) for entry in battery]
-    after = probe.scrape()
-    replies = [answer for answer in answers if "error" not in answer]
-    source, metrics = acceptance(replies, before, after)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items() if k != "api_key"}
-    metrics_dict = metrics.to_dict() if isinstance(metrics, SpecMetrics) else metrics
-    findings = error_findings([a["error"] for a in answers if "error" in a], len(answers))
-    outputs = [((reply.get("choices") or [{}])[0] or {}).get("token_ids") for reply in replies]
-    baseline = bigram_baseline(outputs) if replies and all(isinstance(o, list) for o in outputs) else None
-    findings += probe_findings(source, metrics, options.min_acceptance_length, engine, baseline) if replies else []
-    answered = f"{len(replies)}/{len(battery)} answered"
-    return ProbeReport(options.url, model, engine, settings, source, answered, metrics_dict, findings)
+    def measure(self, model: str, prompts: list, concurrency: int = 1, **fields) -> Window:
+        """Send these prompts as one group and read the group's acceptance from the best source."""
+        before = self.scrape()
+        answers = self.complete_all(model, prompts, concurrency, **fields)
+        after = self.scrape()
+        replies = [answer for answer in answers if "error" not in answer]
+        source, metrics = acceptance(replies, before, after)
+        return Window(source, metrics, replies, [answer["error"] for answer in answers if "error" in answer])
 
 
 def error_findings(errors: list[str], asked: int) -> list[Finding]:

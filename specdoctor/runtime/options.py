@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.faults import Faults
 
 
 class Choice(str, Enum):
@@ -198,6 +199,18 @@ class RuntimeOptions:
         "--state-rollback",
         help="Hybrid models: roll the linear-attention state back to the last accepted token (exact), or not (broken).",
     )
+    enable_prefix_caching: bool = option(
+        False,
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Keep prompts' K/V in blocks for later prompts that start alike (serve: on, as in vLLM; not for "
+        "hybrid models).",
+    )
+    fault: str | None = option(
+        None,
+        "--fault",
+        help="Reproduce engine faults, comma-separated: drafter-max-position=N, stale-batch-rows, "
+        "rejection-reuse-uniform (docs/probe.md).",
+    )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
     quantized_weights: QuantizedWeights = option(
@@ -233,6 +246,7 @@ class RuntimeOptions:
             raise SpecdoctorError(
                 f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
             )
+        Faults.parse(self.fault)  # a bad --fault fails before anything starts
         if self.timeout <= 0:
             raise SpecdoctorError(f"--timeout must be positive, got {self.timeout}")
         if self.speculative_method in MTP_METHODS:  # vLLM's MTP names all mean the target's own MTP layers

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
@@ -27,6 +28,7 @@ from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
+from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
@@ -93,9 +95,15 @@ def build_rank(
         "drafter_provenance": dict(provenance.sources),
     }
     rollback = options.state_rollback == StateRollback.EXACT
-    return RankModel(
-        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, kind
-    ), info
+    faults = Faults.parse(options.fault).gated(kind.dummy_drafts_past(options) if kind else None)
+    model = RankModel(
+        placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, kind, faults
+    )
+    config = checkpoint.config
+    hybrid = any(map(config.is_linear_attention, range(config.num_hidden_layers)))
+    if options.enable_prefix_caching and not hybrid:  # recurrent states are not kept per block
+        model.prefix_store = PrefixStore()
+    return model, info
 
 
 class StepReporter:

@@ -70,7 +70,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @api.get("/models")
     async def models():
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "specdoctor"}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "specdoctor",
+            "max_model_len": state.engine.config.max_position_embeddings,
+        }
         return {"object": "list", "data": [card]}
 
     @api.post("/completions")

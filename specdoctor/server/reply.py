@@ -56,7 +56,13 @@ class Reply:
         prompt_tokens = sum(len(job.sequence.prompt) for job in self.jobs[:: self.body.n])
         completion_tokens = sum(len(job.tokens) for job in self.jobs)
         total = prompt_tokens + completion_tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+        cached = sum(job.cached_tokens for job in self.jobs[:: self.body.n])  # vLLM's prompt_tokens_details
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def choice(self, index: int, text: str, reason: str | None, delta: bool, logprobs: list | None = None) -> dict:
         shown = self.logprobs(logprobs, delta) if self.jobs[index].sequence.logprobs is not None else None
@@ -72,11 +78,16 @@ class Reply:
         texts = [self.decode([token]) for token, _ in entries]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {
-            "tokens": texts,
+            "tokens": [self.token_label(token) for token, _ in entries],
             "token_logprobs": [lp for _, (lp, _) in entries],
-            "top_logprobs": [{self.decode([t]): v for t, v in top} for _, (_, top) in entries],
+            "top_logprobs": [{self.token_label(t): v for t, v in top} for _, (_, top) in entries],
             "text_offset": offsets,
         }
+
+    def token_label(self, token: int) -> str:
+        """A token as log-probability entries name it: its text, or "token_id:N" when the request asked (vLLM's
+        spelling; texts collide where tokens decode alike)."""
+        return f"token_id:{token}" if self.body.return_tokens_as_token_ids else self.decode([token])
 
     def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def described(token: int, value: float) -> dict:

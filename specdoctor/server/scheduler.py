@@ -34,6 +34,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    cached_tokens: int = 0  # prompt tokens prefix caching restored
     finish_reason: str | None = None
     future: asyncio.Future | None = None
 
@@ -116,7 +117,7 @@ class ContinuousScheduler:
                 self.metrics.record_ttft(time.perf_counter() - job.arrived)
             job.tokens += update.new_tokens
             job.logprobs += update.new_logprobs
-            job.metrics = update.metrics
+            job.metrics, job.cached_tokens = update.metrics, update.cached_tokens
             reason = update.finish_reason
             if reason is None and job.should_stop and job.should_stop(job.tokens):
                 reason = "stop"

@@ -44,3 +44,10 @@ class SpecdoctorServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=60)
+
+
+def probe(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`specdoctor probe --url URL ARGS`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args], capture_output=True, text=True, timeout=300
+    )

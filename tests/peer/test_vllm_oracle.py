@@ -24,7 +24,7 @@ from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import layer_ranges, placements
 from tests.helpers.checkpoints import zeroed_enorm_copy
-from tests.helpers.servers import free_port
+from tests.helpers.servers import SpecdoctorServer, free_port
 from tests.peer.conftest import K, start_or_fail
 from tests.peer.vllm_server import VllmServer, completion_with_counters
 
@@ -198,8 +198,8 @@ def test_eagle3_aux_layers_flags_and_d2t_match_vllms_own_functions(goldens):
     assert drafter.target_logits(torch.tensor(eagle3["logits"])).tolist() == eagle3["placed"]
 
 
-def probe(url: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "specdoctor", "probe", "--url", url, "--json", "-"]
+def probe(url: str, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args, "--json", "-"]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
@@ -208,6 +208,35 @@ def test_probe_passes_a_healthy_vllm_deployment(vllm_demo):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["source"] == "metrics" and report["metrics"]["mean_acceptance_length"] >= 2.0
+
+
+def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(vllm_demo):
+    """vLLM's CPU build, the demo, MTP k 3, prefix caching on: every sweep runs. Context, concurrency and the greedy
+    comparison with speculation off pass (the reference: the demo on `specdoctor serve` at k 0, which the oracle
+    tests above show gives vLLM's tokens). Two do not, and both are vLLM's (docs/probe.md §What vLLM 0.32 showed):
+    with MTP its prefix cache never hits (0 cached tokens for prompts sent twice: the prefix-cache sweep cannot
+    verify anything and says so), and at temperature 1 it emits tokens its own reported distribution gives
+    log-probabilities down to -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes)."""
+    reference = SpecdoctorServer("--num-speculative-tokens", "0")
+    try:
+        result = probe(vllm_demo.url, "--all", "--sampling", "1000", "--reference-url", reference.url)
+    finally:
+        reference.stop()
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr
+    report = json.loads(result.stdout)
+    sweeps = {sweep["name"]: sweep for sweep in report["sweeps"]}
+    assert {name: sweep["status"] for name, sweep in sweeps.items()} == {
+        "context": "passed",
+        "prefix-cache": "not run",
+        "concurrency": "passed",
+        "sampling": "failed",
+        "reference": "passed",
+    }
+    assert len(sweeps["context"]["points"]) == 3  # 128, 256 and 432 tokens under vLLM's max_model_len of 512
+    assert sweeps["prefix-cache"]["summary"] == "the warm prompts found nothing in the prefix cache: caching is off"
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [f["check"] for f in errors] == ["probe.prefix-cache", "probe.sampling"]
+    assert errors[1]["data"]["p_value"] < 1e-6 and report["verdict"]["summary"].startswith("not verified: prefix-cache")
 
 
 def test_probe_finds_the_broken_drafter_of_a_vllm_deployment(vllm_python, tmp_path):

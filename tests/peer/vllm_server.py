@@ -43,6 +43,8 @@ class VllmServer:
         command = [str(ensure_vllm()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         command += ["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "512"]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        # Prefix caching as vLLM defaults it (on), said aloud; its hits reported in usage for the probe's sweep.
+        command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
         if k:
             speculative = {"method": "mtp", **(drafter or {}), "num_speculative_tokens": k}
             command += ["--speculative-config", json.dumps(speculative)]

@@ -7,8 +7,6 @@ import http.server
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import xml.etree.ElementTree as ET
 
@@ -20,7 +18,7 @@ from specdoctor.probe import prometheus
 from specdoctor.probe.client import acceptance, enable_hint, probe_findings
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer as Server
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, probe
 
 VLLM_SAMPLE = """\
 # HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
@@ -65,31 +63,11 @@ def test_window_uses_differences_and_sglang_uses_verify_counts():
     assert any(f.check == "probe.chain" for f in chain)
 
 
-@pytest.fixture(scope="module")
-def servers():
-    started = {
-        "healthy": Server("--pp", "2", "--num-speculative-tokens", "3"),
-        # "stale": the unloaded embedding holds another weight's bytes, as a caching allocator's reused
-        # block would; unlike "empty" it is the same on every run.
-        "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--fill", "stale", "--allow-unhealthy"),
-        "off": Server("--num-speculative-tokens", "0"),
-    }
-    yield started
-    for server in started.values():
-        server.stop()
-
-
-def probe(url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def test_healthy_server_passes(servers):
     result = probe(servers["healthy"].url, "--json", "-")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report["schema"] == "specdoctor.probe/1" and report["model"] == "demo"
+    assert report["schema"] == "specdoctor.probe/2" and report["model"] == "demo"
     assert report["verdict"]["healthy"] and report["metrics"]["mean_acceptance_length"] >= 2.0
 
 
@@ -167,7 +145,7 @@ def test_unreachable_server_exits_2_and_still_writes_the_json_report():
     assert result.returncode == 2
     assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
     report = json.loads(result.stdout)
-    assert report["schema"] == "specdoctor.probe/1" and "cannot reach the server" in report["error"]["message"]
+    assert report["schema"] == "specdoctor.probe/2" and "cannot reach the server" in report["error"]["message"]
     assert report["verdict"] == {"healthy": False, "exit_code": 2, "summary": report["error"]["message"]}
 
 

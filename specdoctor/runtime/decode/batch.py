@@ -13,6 +13,7 @@ import time
 import torch
 
 from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.cache.prefix import BLOCK_SIZE, block_hashes
 from specdoctor.runtime.cache.regroup import take_rows
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
@@ -39,18 +40,27 @@ class BatchState:
         self.model, self.sequences, self.k = model, sequences, k
         self.ids, self.lengths = pad_right([s.prompt for s in sequences], model.device)
         batch = len(sequences)
+        # With prefix caching, each prompt's leading blocks found in the store (the prompt pass starts past them).
+        store = model.prefix_store
+        self.hashes = [block_hashes(s.prompt) if store else [] for s in sequences]
+        hits = [store.hits(hashes) * BLOCK_SIZE if store else 0 for hashes in self.hashes]
+        self.cached = torch.tensor(hits, device=model.device)
+        pass_end = int(self.cached.max()) + int((self.lengths - self.cached).max())  # a padded pass writes to here
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
-        max_len = int(self.lengths.max()) + max(s.max_new_tokens for s in sequences) + 2 * k
+        max_len = pass_end + max(s.max_new_tokens for s in sequences) + 2 * k
         self.cache = model.cache(batch, max_len)
         self.sampler, self.drafts = None, None
         if model.placement.is_last:
             self.sampler = RowSampler([s.sampling for s in sequences], model.device)
             if k:
                 mtp_cache = model.cache(batch, max_len, drafter=True)
-                self.drafts = Drafts(model.drafter, mtp_cache, k, self.sampler, sampled_drafts, model.device)
+                self.drafts = Drafts(
+                    model.drafter, mtp_cache, k, self.sampler, sampled_drafts, model.device, model.faults
+                )
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
         self.result.logprobs = [[] for _ in range(batch)]
+        self.result.cached_tokens = hits
         self.pending_logprobs: dict[int, list[TokenLogprob]] = {}  # the last step's, until committed
         self.decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=model.device)
         self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
@@ -71,15 +81,23 @@ class BatchState:
             self.pending_logprobs = emitted_logprobs(logits, emitted, wanted)
 
     def prefill(self) -> None:
-        """The prompts through every rank; the last rank picks the first token and the first drafts."""
+        """The prompts through every rank (past their cached blocks); the last rank picks the first token and the
+        first drafts. With prefix caching, the prompts' blocks are kept for later prompts."""
         model, batch = self.model, len(self.sequences)
-        positions = torch.arange(self.ids.shape[1], device=model.device).expand(batch, -1)
-        self.cache.begin(valid_end=self.lengths, keep_positions=False)
-        hidden, taps = pipeline_pass(model, self.ids, positions, self.cache)
-        self.cache.commit(self.lengths - 1, torch.ones(batch, dtype=torch.bool, device=model.device))
+        computed = self.lengths - self.cached  # each prompt's tokens this pass computes (at least its last)
+        positions = self.cached[:, None] + torch.arange(int(computed.max()), device=model.device)  # [B, T]
+        ids = self.ids.gather(1, positions.clamp(max=self.ids.shape[1] - 1))  # padding reads a real id, then is masked
+        if model.prefix_store:
+            unwritten = "drafter" if model.faults.prefix_cache_drafter_kv else None
+            for row, hashes in enumerate(self.hashes):
+                hit = hashes[: int(self.cached[row]) // BLOCK_SIZE]
+                model.prefix_store.restore(self.cache_roles(), row, hit, unwritten)
+        self.cache.begin(valid_end=computed, keep_positions=False)
+        hidden, taps = pipeline_pass(model, ids, positions, self.cache)
+        self.cache.commit(computed - 1, torch.ones(batch, dtype=torch.bool, device=model.device))
         if model.placement.is_last:
-            rows, last = torch.arange(batch, device=model.device), self.lengths - 1
-            final = model.stage.model.norm(hidden)  # [B, L, H]: an MTP drafter is fed the final-normed states
+            rows, last = torch.arange(batch, device=model.device), computed - 1
+            final = model.stage.model.norm(hidden)  # [B, T, H]: an MTP drafter is fed the final-normed states
             logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
             first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
@@ -87,13 +105,18 @@ class BatchState:
             self.note_logprobs(logits)
             if self.drafts:
                 # The MTP input at each prompt position is the next token: the prompt's, then the first new one.
-                next_tokens = torch.cat([self.ids[:, 1:], self.ids[:, :1]], dim=1).scatter(
-                    1, last[:, None], first[:, 1:2]
-                )
-                self.drafts.propose(next_tokens, model.drafter_features(self.ids, final, taps), positions, base=last)
+                next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).scatter(1, last[:, None], first[:, 1:2])
+                self.drafts.propose(next_tokens, model.drafter_features(ids, final, taps), positions, base=last)
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
+        if model.prefix_store:
+            for row, hashes in enumerate(self.hashes):
+                model.prefix_store.save(self.cache_roles(), row, hashes)
         model.comm.broadcast_from_last(self.decision)
         self.commit(count_metrics=False)
+
+    def cache_roles(self) -> dict[str, KVCache]:
+        """The caches prefix caching keeps blocks of: this rank's, and the drafter's on its rank."""
+        return {"target": self.cache, **({"drafter": self.drafts.cache} if self.drafts else {})}
 
     def step(self) -> None:
         """Verify the pending token and the drafts in one pipeline pass; every rank commits the decision."""
@@ -144,6 +167,7 @@ class BatchState:
         )
         joined.result.row_metrics = kept([m for b in batches for m in b.result.row_metrics])
         joined.result.logprobs = kept([entries for b in batches for entries in b.result.logprobs])
+        joined.result.cached_tokens = kept([n for b in batches for n in b.result.cached_tokens])
         joined.pending_logprobs = {}
         joined.ids = joined.lengths = None
         return joined

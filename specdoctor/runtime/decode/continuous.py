@@ -31,6 +31,7 @@ class RowUpdate:
     finish_reason: str | None
     metrics: SpecMetrics
     new_logprobs: list[TokenLogprob]  # one per new token when the request asked for log-probabilities
+    cached_tokens: int = 0  # prompt tokens prefix caching restored
 
 
 # Control messages, queued by the controller and broadcast by the first rank before each step.
@@ -73,7 +74,9 @@ class RunningBatch:
             tokens, reason = result.tokens[row], result.finish_reasons[row] or None
             if len(tokens) > self.reported[row] or reason:
                 new = slice(self.reported[row], None)
-                news[request_id] = RowUpdate(tokens[new], reason, result.row_metrics[row], result.logprobs[row][new])
+                news[request_id] = RowUpdate(
+                    tokens[new], reason, result.row_metrics[row], result.logprobs[row][new], result.cached_tokens[row]
+                )
                 self.reported[row] = len(tokens)
         self._keep([row for row, active in enumerate(self.batch.active) if active])
         return news
@@ -119,6 +122,7 @@ def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> 
             update.finish_reason,
             update.metrics,
             before[request_id].new_logprobs + update.new_logprobs,
+            update.cached_tokens,
         )
         if request_id in before
         else update

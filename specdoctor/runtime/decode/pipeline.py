@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
+from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.drafter.kind import DrafterKind, DraftingModule
 from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.taps import TapRoute
+from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.partition import Placement
 
@@ -30,6 +32,8 @@ class RankModel:
     state_rollback: bool = True  # False reproduces an engine that never rolls recurrent states back
     taps: TapRoute | None = None  # the drafter's taps, where it reads any: this rank's part in moving them
     kind: DrafterKind | None = None  # the pipeline's kind of drafter, on every rank; None: none
+    faults: Faults = field(default_factory=Faults)  # the engine faults reproduced (--fault)
+    prefix_store: PrefixStore | None = None  # prefix caching's blocks, kept across batches (serve)
 
     @property
     def speculates(self) -> bool:

@@ -47,6 +47,7 @@ def verify_random(
     target_probs: torch.Tensor,  # [B, k+1, V] p
     uniform: torch.Tensor,  # [B, k] u ~ U(0, 1), one per draft
     generator: torch.Generator | None,
+    reuse_uniform: bool = False,  # --fault rejection-reuse-uniform (runtime/faults.py)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling: accept draft x when p(x) / q(x) >= u, which keeps the output distributed as p."""
     batch, k = drafts.shape
@@ -55,7 +56,10 @@ def verify_random(
     q = draft_probs.reshape(-1, vocab)
     p = target_probs[:, :k].reshape(-1, vocab)
     # Noise drawn up front, so the kernels need no host synchronisation.
-    exponential = torch.empty_like(p).exponential_(generator=generator)
+    if reuse_uniform:  # one number for every candidate: the race is won by the residual's largest entry
+        exponential = (-uniform.reshape(-1, 1).log()).expand_as(p).contiguous()
+    else:
+        exponential = torch.empty_like(p).exponential_(generator=generator)
     recovered = kernels.sample_recovered(flat, q, p, exponential)
     bonus = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
     emitted = kernels.rejection_random(flat, cu, q, p, uniform.reshape(-1), recovered, bonus, k)

@@ -62,6 +62,7 @@ class GenerateResult:
     row_metrics: list[SpecMetrics] = field(default_factory=list)  # the same counters, per prompt
     rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
+    cached_tokens: list[int] = field(default_factory=list)  # per row: prompt tokens restored by prefix caching
 
 
 # Where a rank's time goes: the prompt pass, then per decode step its share of the target forward

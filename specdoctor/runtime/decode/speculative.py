@@ -18,6 +18,9 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import take_rows
 from specdoctor.runtime.decode.rejection import verify_greedy, verify_random
 from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
+from specdoctor.runtime.faults import Faults
+
+DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordinary token id
 
 
 def finish_device_work(device: torch.device) -> None:
@@ -29,12 +32,15 @@ def finish_device_work(device: torch.device) -> None:
 class Drafts:
     """The last rank's proposals: tokens [B, k] and, when a row samples, their distributions q [B, k, V]."""
 
-    def __init__(self, drafter, cache: KVCache, k: int, sampler: RowSampler, sampled_drafts: bool, device):
+    def __init__(
+        self, drafter, cache: KVCache, k: int, sampler: RowSampler, sampled_drafts: bool, device, faults=Faults()
+    ):
         self.drafter, self.cache, self.k = drafter, cache, k
-        self.sampler, self.sampled_drafts = sampler, sampled_drafts
+        self.sampler, self.sampled_drafts, self.faults = sampler, sampled_drafts, faults
         self.tokens = torch.zeros(cache.batch, 0, dtype=torch.long, device=device)
         self.probs: torch.Tensor | None = None
         self.seconds = 0.0  # time spent proposing, for the step profile
+        self.stale_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # --fault stale-batch-rows
 
     def propose(
         self,
@@ -46,19 +52,41 @@ class Drafts:
         """k drafts from the drafter's chain (MTP steps, or a DSpark block's Markov walk): each position's
         logits give a draft, which the drafter is handed back before it gives the next position's."""
         start = time.perf_counter()
-        chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
-        logits = next(chain)
-        tokens, probs = [], []
-        for step in range(self.k):
-            token, q = self._pick(logits)  # [B], [B, V] or None
-            tokens.append(token)
-            probs.append(q)
-            if step + 1 < self.k:
-                logits = chain.send(token)
-        self.tokens = torch.stack(tokens, dim=1)
-        self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
+        if self.faults.stale_batch_rows:
+            next_tokens, features = self._stale_rows(next_tokens, features)
+        limit = self.faults.drafter_max_position
+        if limit is not None and int(positions.max()) + 1 + self.k > limit:
+            self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
+        else:
+            chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
+            logits = next(chain)
+            tokens, probs = [], []
+            for step in range(self.k):
+                token, q = self._pick(logits)  # [B], [B, V] or None
+                tokens.append(token)
+                probs.append(q)
+                if step + 1 < self.k:
+                    logits = chain.send(token)
+            self.tokens = torch.stack(tokens, dim=1)
+            self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
         self.seconds += time.perf_counter() - start
+
+    def _dummy(self, batch: int, device) -> None:
+        """DUMMY_DRAFT at every position of every row (no q: verified as one-hot, as greedy drafts are)."""
+        self.tokens = torch.full((batch, self.k), DUMMY_DRAFT, dtype=torch.long, device=device)
+        self.probs = None
+
+    def _stale_rows(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows after the first keep reading the input (tokens and features) of the first decode step this batch
+        took: a drafter buffer written once and never refreshed (the batch regrouped, it is written again)."""
+        stale = self.stale_inputs
+        if tokens.shape[0] < 2:
+            return tokens, features
+        if stale is None or stale[0].shape != tokens.shape or stale[1].shape != features.shape:
+            self.stale_inputs = tokens, features
+            return tokens, features
+        return torch.cat([tokens[:1], stale[0][1:]]), torch.cat([features[:1], stale[1][1:]])
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
         """A draft token [B] and, when a row samples, the q [B, V] it is verified against (unused for greedy rows)."""
@@ -67,7 +95,7 @@ class Drafts:
             return tokens, None
         # vLLM's default: the drafter's argmax, verified as if q were one-hot on it (accepted when
         # u <= p(x); on rejection the recovered token comes from p with x removed).
-        q = torch.nn.functional.one_hot(tokens, logits.shape[-1]).to(torch.float32)
+        q = one_hot(tokens, logits.shape[-1])
         if self.sampled_drafts:
             for row in self.sampler.sampled_rows:
                 q[row] = probabilities(logits[row], self.sampler.params[row])
@@ -78,14 +106,19 @@ class Drafts:
         """A Drafts over these sources' rows, concatenated in order, then `rows` of them (None: all),
         with the batch's regrouped sampler."""
         cache = KVCache.regroup([d.cache for d in sources], rows)
-        joined = Drafts(self.drafter, cache, self.k, sampler, self.sampled_drafts, self.tokens.device)
+        joined = Drafts(self.drafter, cache, self.k, sampler, self.sampled_drafts, self.tokens.device, self.faults)
         joined.tokens = take_rows(torch.cat([d.tokens for d in sources]), rows)
         if any(d.probs is not None for d in sources):
             vocab = next(d.probs.shape[-1] for d in sources if d.probs is not None)
-            probs = [d.probs if d.probs is not None else d.tokens.new_zeros(*d.tokens.shape, vocab) for d in sources]
+            probs = [d.probs if d.probs is not None else one_hot(d.tokens, vocab) for d in sources]
             joined.probs = take_rows(torch.cat([p.float() for p in probs]), rows)
         joined.seconds = sum(d.seconds for d in sources)
         return joined
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The q of drafts that were not sampled: all mass on the draft ([...] -> [..., V])."""
+    return torch.nn.functional.one_hot(tokens, vocab).to(torch.float32)
 
 
 def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, drafts: "Drafts | None", sampler: RowSampler):
@@ -96,9 +129,13 @@ def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, drafts: "Dra
         one = slice(row, row + 1)
         generator = sampler.generators[row]
         p = probabilities(target_logits[one], sampler.params[row])  # [1, k+1, V]
-        q = drafts.probs[one] if drafts else p[:, :0]  # [1, k, V]
+        if drafts is None:
+            q = p[:, :0]  # [1, k, V]: k is 0
+        else:  # drafts without a q (dummy drafts) are verified as greedy ones are
+            q = drafts.probs[one] if drafts.probs is not None else one_hot(draft_tokens[one], p.shape[-1])
         uniform = torch.rand(draft_tokens[one].shape, generator=generator, device=target_logits.device)
-        row_accepted, row_emitted = verify_random(draft_tokens[one], q, p, uniform, generator)
+        reuse = drafts is not None and drafts.faults.rejection_reuse_uniform
+        row_accepted, row_emitted = verify_random(draft_tokens[one], q, p, uniform, generator, reuse)
         accepted[one], emitted[one] = row_accepted, row_emitted
     return accepted, emitted
 

@@ -83,11 +83,13 @@ class DraftModelKind(OwnCheckpointKind):
         """Always its own checkpoint's tensor: vLLM shares nothing of the target's with a draft model."""
         return self.drafter, self.checkpoint_key(name)
 
+    def dummy_drafts_past(self, options: RuntimeOptions) -> int | None:
+        return self.draft_max_len if options.draft_range_policy == DraftRangePolicy.DUMMY else None
+
     def build(self, stage: TargetStage, options: RuntimeOptions, device: torch.device) -> tuple[DraftModel, Provenance]:
-        dummy_past = self.draft_max_len if options.draft_range_policy == DraftRangePolicy.DUMMY else None
         config, unloaded = self.over_target_positions(self.drafter.config), options.head_policy == HeadPolicy.UNLOADED
         lazy = self.drafter.map_weights
-        model = allocate(lambda: DraftModel(config, dummy_past), options.dtype.torch(), device, lazy)
+        model = allocate(lambda: DraftModel(config), options.dtype.torch(), device, lazy)
         provenance = Provenance()
         skip_head = {HEAD} if unloaded else set()
         body = load_module(model, self.drafter, lambda name: None if name in skip_head else self.checkpoint_key(name))

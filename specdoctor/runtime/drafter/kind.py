@@ -96,6 +96,10 @@ class DrafterKind(ABC):
     def default_speculative_tokens(self) -> int:
         return DEFAULT_SPECULATIVE_TOKENS
 
+    def dummy_drafts_past(self, options: RuntimeOptions) -> int | None:
+        """The length past which an engine following `options` drafts dummy tokens for this drafter (None: never)."""
+        return None
+
     def unrunnable_reason(self) -> str | None:
         """Why the runtime will not run this drafter beside this target, or None."""
         return None

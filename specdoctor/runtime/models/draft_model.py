@@ -20,11 +20,8 @@ DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordi
 class DraftModel(TargetStage):
     """Every layer of a draft model, embedding and head included; parameter names are its checkpoint keys."""
 
-    def __init__(self, config: ModelConfig, dummy_past: int | None = None):
+    def __init__(self, config: ModelConfig):
         super().__init__(config, range(config.num_hidden_layers), has_embedding=True, has_head=True)
-        # vLLM's length gate (`_input_fits_in_drafter`): once the batch's longest sequence plus k passes this
-        # many tokens it skips the drafter and drafts DUMMY_DRAFT for every row (vllm#58080). None: never.
-        self.dummy_past = dummy_past
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return new_cache(self.config, self.layer_ids, batch, max_len, dtype, device)
@@ -33,12 +30,6 @@ class DraftModel(TargetStage):
         """next_tokens [B, T]: the token after each new position; tokens [B, T]: the tokens at them (the first
         is all the draft model needs: the rest, up to `base`, are next_tokens shifted). Yields each draft's
         logits [B, V]; send() back the token picked there [B]."""
-        if self.dummy_past is not None and int(positions.max()) + 1 + k > self.dummy_past:
-            dummy = torch.full((tokens.shape[0], self.config.vocab_size), float("-inf"), device=tokens.device)
-            dummy[:, DUMMY_DRAFT] = 0.0
-            for _ in range(k):
-                yield dummy
-            return
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         inputs = torch.cat([tokens[:, :1], next_tokens], dim=1)  # positions p0, then p0 + 1 .. pT-1 + 1
         input_positions = torch.cat([positions[:, :1], positions + 1], dim=1)

@@ -1,0 +1,186 @@
+"""The sweeps that check the output itself, which acceptance cannot show (docs/probe.md): is sampled output
+the target's own distribution, and is greedy output the same with speculation off?"""
+
+from __future__ import annotations
+
+import math
+
+from specdoctor.probe.client import Probe, Served
+from specdoctor.probe.options import SweepOptions
+from specdoctor.probe.stats import ALPHA, calibration_p_value
+from specdoctor.probe.verdicts import not_run, sweep_of
+from specdoctor.report import Finding, Sweep
+
+SAMPLING_BINS = 5  # the reported top 5 by rank, then the rest: 5 degrees of freedom
+SAMPLING_TOKENS_PER_REQUEST = 128
+SAMPLING_CONCURRENCY = 4
+MIN_SAMPLED_STEPS = 100  # below this the chi-square approximation is not trusted
+# Greedy output may differ at a near tie: bf16 keeps 8 significant bits, so a logit near 16 is off by up to
+# 2^-4 after one rounding, and two runs that batch differently can land on either side of a gap under 0.1 nat.
+TIE_MARGIN = 0.1
+
+SAMPLING_HINT = (
+    "the rejection sampler no longer keeps the target's distribution: vLLM reused the Philox offset for "
+    "probabilistic drafts (PRs #47386, #54282), vllm-ascend reused the acceptance uniform for the resample "
+    "(#16370): upgrade, or draft greedily (vLLM's default draft_sample_method)"
+)
+REFERENCE_HINT = (
+    "greedy output must not change with speculation: a verification bug (TRT-LLM PR #17110: accuracy fell at the "
+    "same acceptance) or NaN target logits accepting everything; compare a failing prompt's logprobs on both servers"
+)
+
+
+def sampling_fields(engine: str) -> dict:
+    """Temperature 1 and nothing else that reshapes the distribution: the reported log-probabilities are the
+    raw ones (vLLM's default logprobs mode), and engines fill unset fields from the model's generation config."""
+    fields = {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "logprobs": SAMPLING_BINS,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
+    if engine in ("vllm", "sglang"):  # their extensions; vLLM disables top-k with 0, SGLang with -1
+        fields |= {"top_k": 0 if engine == "vllm" else -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    return fields
+
+
+def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | None:
+    """(bin probabilities, bin landed in) for every sampled token whose top SAMPLING_BINS were reported; None
+    when the replies carry no log-probabilities."""
+    probabilities, outcomes = [], []
+    for reply in replies:
+        logprobs = ((reply.get("choices") or [{}])[0] or {}).get("logprobs")
+        if not logprobs or not logprobs.get("top_logprobs"):
+            return None
+        for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=False):
+            ranked = sorted((top or {}).items(), key=lambda item: -item[1])[:SAMPLING_BINS]
+            if len(ranked) < SAMPLING_BINS:  # texts collided, or a tiny vocabulary: decided before sampling
+                continue
+            bins = [math.exp(value) for _, value in ranked]
+            probabilities.append([*bins, max(0.0, 1.0 - sum(bins))])
+            names = [name for name, _ in ranked]
+            outcomes.append(names.index(token) if token in names else SAMPLING_BINS)
+    return probabilities, outcomes
+
+
+def calibration(probe: Probe, served: Served, tokens: int, prompts: list) -> dict | str:
+    """The sampled tokens' bins against the reported distribution: the test's figures, or why it cannot run."""
+    requests = -(-tokens // SAMPLING_TOKENS_PER_REQUEST)
+    group = [prompts[i % len(prompts)] for i in range(requests)]
+    fields = {**sampling_fields(served.engine), "max_tokens": SAMPLING_TOKENS_PER_REQUEST}
+    window = probe.measure(served.model, group, SAMPLING_CONCURRENCY, **fields)
+    if window.errors:
+        return f"sampled requests failed: {window.errors[0]}"
+    steps = sampled_steps(window.replies)
+    if steps is None:
+        return f"{probe.url} returns no top log-probabilities"
+    probabilities, outcomes = steps
+    if len(outcomes) < MIN_SAMPLED_STEPS:
+        return f"only {len(outcomes)} sampled tokens came with {SAMPLING_BINS} alternatives"
+    statistic, p_value, df = calibration_p_value(probabilities, outcomes)
+    expected = [sum(column) for column in zip(*probabilities, strict=True)]
+    observed = [outcomes.count(b) for b in range(SAMPLING_BINS + 1)]
+    return {
+        "tokens": len(outcomes),
+        "statistic": statistic,
+        "df": df,
+        "p_value": p_value,
+        "expected": expected,
+        "observed": observed,
+        **point_figures(window),
+    }
+
+
+def point_figures(window) -> dict:
+    return {"source": window.source, "mean_acceptance_length": window.mean_length}
+
+
+def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
+    result = calibration(probe, served, options.sampling_tokens, prompts)
+    if isinstance(result, str):
+        return not_run("sampling", result)
+    points = [{"label": probe.url, **result}]
+    findings = []
+    if result["p_value"] < ALPHA:
+        message = (
+            f"sampled output is not the target's reported distribution: chi-square {result['statistic']:.1f} on "
+            f"{result['df']} degrees of freedom over {result['tokens']} tokens (p = {result['p_value']:.1e} < {ALPHA})"
+        )
+        severity = "error"
+        if options.reference_url:  # the same test without speculation tells the sampler from the speculation
+            reference = calibration(
+                Probe(probe.options, options.reference_url), served, options.sampling_tokens, prompts
+            )
+            if isinstance(reference, dict):
+                points.append({"label": options.reference_url, **reference})
+                if reference["p_value"] < ALPHA:
+                    severity, message = "warning", message + "; the reference fails too: the sampler, not speculation"
+        findings.append(Finding("probe.sampling", severity, message, SAMPLING_HINT, "sampling", result))
+    summary = f"{result['tokens']} tokens at temperature 1: chi-square p = {result['p_value']:.2g}"
+    return sweep_of("sampling", summary, result["source"], points, findings)
+
+
+def output_ids(reply: dict) -> list | str:
+    """The completion's token ids where the server names them (vLLM's return_token_ids, or log-probability
+    entries named token_id:N), else its text."""
+    choice = (reply.get("choices") or [{}])[0] or {}
+    if isinstance(choice.get("token_ids"), list):
+        return choice["token_ids"]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+    if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        return [int(t.split(":", 1)[1]) for t in tokens]
+    return choice.get("text", "")
+
+
+def divergence(spec: dict, reference: dict) -> dict | None:
+    """Where greedy output first differs, with the reference's log-probability gap between the two tokens there
+    (inf when the speculative token is not among the reference's top 2), or None when it does not differ."""
+    ours, theirs = output_ids(spec), output_ids(reference)
+    if ours == theirs:
+        return None
+    index = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    gap = math.inf
+    tops = ((reference.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or []
+    if isinstance(ours, list) and index < len(tops) and index < len(ours):
+        top = tops[index] or {}
+        ranked = sorted(top.values(), reverse=True)
+        mine = top.get(f"token_id:{ours[index]}")
+        gap = ranked[0] - mine if mine is not None and ranked else math.inf
+    return {"index": index, "gap": gap}
+
+
+def reference_sweep(probe: Probe, served: Served, options: SweepOptions, battery: list[dict]) -> Sweep:
+    reference = Probe(probe.options, options.reference_url)
+    other = reference.served_model()
+    prompts = [entry.get("prompt", entry.get("token_ids")) for entry in battery]
+    fields = {"logprobs": 2, "return_tokens_as_token_ids": True}
+    ours = probe.complete_all(served.model, prompts, **fields)
+    theirs = reference.complete_all(other.model, prompts, **fields)
+    failed = [reply["error"] for reply in ours + theirs if "error" in reply]
+    if failed:
+        return not_run("reference", f"{len(failed)} greedy requests failed: {failed[0]}")
+    differing = {
+        entry["name"]: found
+        for entry, mine, theirs_reply in zip(battery, ours, theirs, strict=True)
+        if (found := divergence(mine, theirs_reply)) is not None
+    }
+    ties = {name: found for name, found in differing.items() if found["gap"] <= TIE_MARGIN}
+    findings = []
+    real = {name: found for name, found in differing.items() if name not in ties}
+    if real:
+        name, found = next(iter(real.items()))
+        message = (
+            f"greedy output differs from {options.reference_url} on {len(real)} of {len(battery)} prompts; "
+            f"{name} first at token {found['index']}"
+        )
+        findings.append(Finding("probe.reference", "error", message, REFERENCE_HINT, "reference", {"prompts": real}))
+    if ties:
+        message = f"{len(ties)} prompt(s) differ at a near tie (under {TIE_MARGIN} nat): numerics, not speculation"
+        findings.append(Finding("probe.reference", "warning", message, stage="reference", data={"prompts": ties}))
+    same = len(battery) - len(differing)
+    summary = f"greedy output identical to {options.reference_url} on {same} of {len(battery)} prompts"
+    points = [{"label": entry["name"], "divergence": differing.get(entry["name"])} for entry in battery]
+    return sweep_of("reference", summary, None, points, findings)

@@ -1,0 +1,53 @@
+"""Engine faults the runtime reproduces on demand (`--fault`), each as an engine shipped it, so that `probe`'s
+sweeps are tested against the failure they exist to find (docs/probe.md §Faults).
+
+  drafter-max-position=N   past N positions every row drafts dummy token 0, as vLLM does once the batch's
+                           longest sequence plus k passes a draft's max_model_len (vllm#58080)
+  stale-batch-rows         with more than one row, every row but the first feeds the drafter the input of the
+                           batch's first decode step: a drafter buffer row not refreshed (tokenspeed#955)
+  prefix-cache-drafter-kv  a prompt's blocks found in the prefix cache get the target's K/V back but not the
+                           drafter's: it reads what the reused blocks held, another prompt's (vllm#47930)
+  rejection-reuse-uniform  the recovered token draws no fresh noise: it reuses the draft's acceptance
+                           uniform for every candidate, so the race is decided by the residual alone
+                           (vllm-ascend#16370); output at temperature > 0 is no longer the target's
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specdoctor.errors import SpecdoctorError
+
+FAULT_NAMES = ("drafter-max-position=N", "stale-batch-rows", "prefix-cache-drafter-kv", "rejection-reuse-uniform")
+SWITCHES = FAULT_NAMES[1:]  # the faults without a value
+
+
+@dataclass(frozen=True)
+class Faults:
+    drafter_max_position: int | None = None
+    stale_batch_rows: bool = False
+    prefix_cache_drafter_kv: bool = False
+    rejection_reuse_uniform: bool = False
+
+    @staticmethod
+    def parse(text: str | None) -> "Faults":
+        """`--fault`'s value: fault names, comma-separated."""
+        fields: dict = {}
+        for item in (text or "").split(","):
+            name, _, value = item.strip().partition("=")
+            if not name:
+                continue
+            if name == "drafter-max-position" and value.isdigit() and int(value) > 0:
+                fields["drafter_max_position"] = int(value)
+            elif name in SWITCHES and not value:
+                fields[name.replace("-", "_")] = True
+            else:
+                raise SpecdoctorError(f"--fault: unknown fault {item.strip()!r} (choose from {', '.join(FAULT_NAMES)})")
+        return Faults(**fields)
+
+    def gated(self, limit: int | None) -> "Faults":
+        """These faults, with dummy drafts past `limit` too (a draft model's range under vLLM's gate)."""
+        if limit is None:
+            return self
+        current = self.drafter_max_position
+        return replace(self, drafter_max_position=limit if current is None else min(current, limit))

@@ -1,0 +1,27 @@
+"""The servers the probe tests point at: real `specdoctor serve` processes on loopback, started once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.servers import SpecdoctorServer as Server
+
+DUMMY_PAST = 1024  # the faulty server's drafter-max-position: under the demo's 2,048-token context
+FAULTS = (f"drafter-max-position={DUMMY_PAST}", "stale-batch-rows", "rejection-reuse-uniform")
+
+
+@pytest.fixture(scope="package")
+def servers():
+    started = {
+        "healthy": Server("--pp", "2", "--num-speculative-tokens", "3"),
+        # "stale": the unloaded embedding holds another weight's bytes, as a caching allocator's reused
+        # block would; unlike "empty" it is the same on every run.
+        "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--fill", "stale", "--allow-unhealthy"),
+        "off": Server("--num-speculative-tokens", "0"),
+        # Every fault a sweep exists to find, at once: each touches only its own sweep's traffic (long prompts,
+        # concurrent requests, sampled ones), which the healthy server's passing sweeps show.
+        "faulty": Server("--pp", "2", "--fault", ",".join(FAULTS), "--allow-unhealthy"),
+    }
+    yield started
+    for server in started.values():
+        server.stop()

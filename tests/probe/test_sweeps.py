@@ -1,0 +1,178 @@
+"""`probe`'s sweeps against real `specdoctor serve` processes: every sweep passes on a healthy server, each
+fails on the engine fault it exists to find, and a sweep that cannot run says why and fails the probe."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import httpx
+import pytest
+import torch
+
+from specdoctor.probe.output_sweeps import divergence
+from specdoctor.probe.stats import calibration_p_value
+from specdoctor.runtime.decode.rejection import verify_random
+from tests.helpers.servers import SpecdoctorServer as Server
+from tests.helpers.servers import free_port, probe
+from tests.probe.conftest import DUMMY_PAST
+
+SWEEPS = ["context", "prefix-cache", "concurrency", "sampling", "reference"]
+
+
+def sweeps_of(result: subprocess.CompletedProcess) -> dict[str, dict]:
+    return {sweep["name"]: sweep for sweep in json.loads(result.stdout)["sweeps"]}
+
+
+def junit_cases(path) -> dict[str, bool]:
+    """JUnit test case name -> failed."""
+    return {case.get("name"): case.find("failure") is not None for case in ET.parse(path).getroot().iter("testcase")}
+
+
+def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
+    """PP 2, k 3: the default context buckets and concurrency levels, sampling, and the reference comparison
+    against the same demo served with speculation off."""
+    junit = tmp_path / "probe.xml"
+    reference = servers["off"].url
+    args = ("--all", "--sampling", "600", "--reference-url", reference, "--json", "-", "--junit-xml", str(junit))
+    result = probe(servers["healthy"].url, *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    sweeps = sweeps_of(result)
+    assert list(sweeps) == SWEEPS and all(sweep["status"] == "passed" for sweep in sweeps.values())
+    context = sweeps["context"]["points"]
+    assert len(context) >= 4 and context[-1]["metrics"]["num_drafts"] > 0  # up to the served 2,048 tokens
+    assert int(context[-1]["label"].split()[0].replace(",", "")) > 1500
+    assert [p["label"] for p in sweeps["concurrency"]["points"]] == ["1 in flight", "4 in flight", "16 in flight"]
+    assert sweeps["sampling"]["points"][0]["tokens"] >= 600 and sweeps["reference"]["summary"].endswith(
+        "9 of 9 prompts"
+    )
+    assert {f"probe.{name}": False for name in SWEEPS}.items() <= junit_cases(junit).items()
+
+
+@pytest.mark.parametrize(
+    ("args", "sweep", "evidence"),
+    [
+        (("--context-sweep", "--context-lengths", "128,1536"), "context", "falls off a cliff"),
+        (("--concurrency", "1,4"), "concurrency", "falls with concurrency"),
+        (("--sampling", "300"), "sampling", "not the target's reported distribution"),
+    ],
+    ids=["drafter-max-position", "stale-batch-rows", "rejection-reuse-uniform"],
+)
+def test_each_fault_fails_the_sweep_that_finds_it(servers, args, sweep, evidence):
+    result = probe(servers["faulty"].url, *args, "--json", "-")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    report = json.loads(result.stdout)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [f["check"] for f in errors] == [f"probe.{sweep}"] and evidence in errors[0]["message"]
+    assert report["sweeps"][0]["status"] == "failed" and errors[0]["hint"]
+    if sweep == "context":  # dummy drafts past the fault's length: nothing is accepted there
+        assert errors[0]["data"]["from"].startswith("1,") and f"{0:.0%} from" in errors[0]["message"]
+        assert DUMMY_PAST < int(errors[0]["data"]["from"].split()[0].replace(",", ""))
+
+
+def test_a_prefix_cache_that_loses_the_drafters_context_fails_the_prefix_cache_sweep():
+    """DSpark reads its context through its own K/V, which the fault leaves as the reused blocks held them: warm
+    prompts accept less than the same prompts cold (a fresh server: the blocks it reuses are the probe's own)."""
+    server = Server("--model", "demo-dspark", "--fault", "prefix-cache-drafter-kv", "--allow-unhealthy")
+    try:
+        result = probe(server.url, "--prefix-cache", "--json", "-")
+    finally:
+        server.stop()
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    report = json.loads(result.stdout)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [f["check"] for f in errors] == ["probe.prefix-cache"] and errors[0]["data"]["from"] == "warm"
+    assert "cached:" in report["sweeps"][0]["summary"] and "not reported" not in report["sweeps"][0]["summary"]
+
+
+def test_prefix_caching_restores_blocks_without_changing_output(servers):
+    """The healthy server (PP 2) caches a repeated prompt's whole blocks and answers it the same."""
+    body = {"prompt": "def parse(text):\n" * 20, "max_tokens": 16, "temperature": 0}
+    first, second = (httpx.post(f"{servers['healthy'].url}/v1/completions", json=body, timeout=60).json() for _ in "ab")
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (second["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+
+
+def test_a_sweep_that_cannot_run_fails_the_probe_and_says_why(servers, tmp_path):
+    """Buckets the served context cannot hold, and a reference server that is not there: both not run, with the
+    reason; the verdict is not verified, the exit code 1, and JUnit shows both as failures."""
+    junit = tmp_path / "probe.xml"
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = ("--context-sweep", "--context-lengths", "4000", "--reference-url", dead, "--junit-xml", str(junit))
+    result = probe(servers["healthy"].url, *args, "--json", "-")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    sweeps = sweeps_of(result)
+    assert [s["status"] for s in sweeps.values()] == ["not run", "not run"]
+    assert "fewer than two prompt lengths" in sweeps["context"]["summary"]
+    assert "cannot reach the server" in sweeps["reference"]["summary"]
+    assert report["verdict"]["summary"].startswith("not verified: context: ")
+    assert junit_cases(junit)["probe.context"] and junit_cases(junit)["probe.reference"]
+
+
+def test_bad_sweep_flags_exit_2_in_one_line(servers):
+    result = probe(servers["healthy"].url, "--concurrency", "1,four")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "specdoctor: error: --concurrency '1,four' is not a list of positive integers such as 1,4,16"
+    )
+    fault = subprocess.run(
+        [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--fault", "stale-rows"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fault.returncode == 2 and "--fault: unknown fault 'stale-rows'" in fault.stderr
+    assert len(fault.stderr.strip().splitlines()) == 1
+
+
+def simulated_steps(generator: torch.Generator, steps: int, biased: bool) -> tuple[list[list[float]], list[int]]:
+    """Steps of 6 bins with random probabilities; outcomes drawn from them, or (biased) the second bin whenever
+    a draw would have left the first: the recovered token as the reused-uniform fault picks it."""
+    probabilities = torch.distributions.Dirichlet(torch.ones(6)).sample((steps,))
+    outcomes = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+    if biased:
+        outcomes = torch.where(outcomes == 0, outcomes, torch.ones_like(outcomes))
+    return probabilities.tolist(), outcomes.tolist()
+
+
+def test_the_calibration_test_keeps_its_false_positive_rate_and_sees_a_biased_resample():
+    """Under the null (outcomes drawn from the stated probabilities, every step its own distribution) the
+    p-value is uniform: 2,000 simulated probes of 200 tokens reject at 5 % about 5 % of the time."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    p_values = [calibration_p_value(*simulated_steps(generator, 200, False))[1] for _ in range(2000)]
+    rejected = sum(p < 0.05 for p in p_values) / len(p_values)
+    assert 0.035 < rejected < 0.065  # 5 % +- 3 binomial standard deviations (0.5 %)
+    assert calibration_p_value(*simulated_steps(generator, 200, True))[1] < 1e-6
+
+
+def test_the_reused_uniform_fault_recovers_the_residual_argmax():
+    """With the acceptance uniform reused as every candidate's noise, the recovered token is no longer a draw
+    from the residual max(p - q, 0) but its largest entry, every time."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(64, 4, 50, generator=generator), -1)  # [B, k+1, V]
+    drafts = p[:, :3].argmax(-1)  # greedy drafts: q is one-hot on each
+    q = torch.nn.functional.one_hot(drafts, 50).float()
+    uniform = torch.ones(64, 3) * 0.999  # every draft rejected unless p(draft) > 0.999
+    _, emitted = verify_random(drafts, q, p, uniform, generator, reuse_uniform=True)
+    residual_argmax = (p[:, 0] - q[:, 0]).clamp(min=0).argmax(-1)
+    assert torch.equal(emitted[:, 0], residual_argmax)
+    _, healthy = verify_random(drafts, q, p, uniform, generator)
+    assert not torch.equal(healthy[:, 0], residual_argmax)
+
+
+def reply(ids: list[int], tops: list[dict] | None = None) -> dict:
+    logprobs = {"tokens": [f"token_id:{i}" for i in ids], "top_logprobs": tops or [{} for _ in ids]}
+    return {"choices": [{"text": "", "logprobs": logprobs}]}
+
+
+def test_a_divergence_at_a_near_tie_is_told_from_a_real_one():
+    tied = [{"token_id:5": -0.69, "token_id:6": -0.70}, {"token_id:7": -0.01}]
+    assert divergence(reply([5, 7]), reply([5, 7], tied)) is None
+    assert divergence(reply([6, 1]), reply([5, 7], tied)) == {"index": 0, "gap": pytest.approx(0.01)}
+    assert divergence(reply([5, 9]), reply([5, 7], tied))["gap"] == math.inf  # not among the reference's top 2
+    assert divergence(reply([5]), reply([5, 7], tied)) == {"index": 1, "gap": math.inf}
