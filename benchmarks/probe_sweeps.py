@@ -6,7 +6,8 @@ the sampling test's power against the reused-uniform fault, and how long `probe 
 `specdoctor serve --model demo` (PP 1, fp32, k 3), the probe as a user runs it (a process per run):
 1. healthy: `probe --all --reference-url OFF` `--healthy-runs` times (OFF: the demo with speculation off); the
    share of runs that exit 0, per sweep, and the wall time of each run;
-2. each fault on a server of its own, probed with its sweep: the exit code and the finding;
+2. each fault on a server of its own (the demo; demo-dspark for the prefix cache), probed with its sweep: the
+   exit code and the finding;
 3. power: `probe --sampling N` against `--fault rejection-reuse-uniform`, `--power-runs` times per N: the share
    of runs that find it (p < 0.001), and against a healthy server the share that do (the false positives).
 """
@@ -24,10 +25,11 @@ from rich.progress import track
 from benchmarks.common import machine, numeric_table, write_json
 from tests.helpers.servers import SpecdoctorServer, probe
 
-FAULT_SWEEPS = {
-    "drafter-max-position=1024": ("--context-sweep",),
-    "stale-batch-rows": ("--concurrency", "1,4,16"),
-    "rejection-reuse-uniform": ("--sampling", "2000"),
+FAULT_SWEEPS = {  # fault: (demo, the sweep that finds it)
+    "drafter-max-position=1024": ("demo", "--context-sweep"),
+    "stale-batch-rows": ("demo", "--concurrency", "1,4,16"),
+    "prefix-cache-drafter-kv": ("demo-dspark", "--prefix-cache"),  # a drafter that reads its context K/V
+    "rejection-reuse-uniform": ("demo", "--sampling", "2000"),
 }
 POWER_TOKENS = (100, 150, 200, 300, 500)
 
@@ -50,9 +52,11 @@ def healthy_runs(runs: int) -> dict:
     for _, report, _ in results:
         for sweep in report["sweeps"]:
             statuses.setdefault(sweep["name"], []).append(sweep["status"])
+    context = next(sweep for sweep in results[0][1]["sweeps"] if sweep["name"] == "context")
     return {
         "runs": runs,
         "exit_0": sum(code == 0 for code, _, _ in results),
+        "context_points": [(p["label"], p["metrics"]["per_position_acceptance_rate"][0]) for p in context["points"]],
         "passed_per_sweep": {name: seen.count("passed") for name, seen in statuses.items()},
         "seconds": [round(seconds, 1) for _, _, seconds in results],
     }
@@ -60,8 +64,8 @@ def healthy_runs(runs: int) -> dict:
 
 def fault_runs() -> dict:
     found = {}
-    for fault, args in FAULT_SWEEPS.items():
-        server = SpecdoctorServer("--fault", fault, "--allow-unhealthy")
+    for fault, (demo, *args) in FAULT_SWEEPS.items():
+        server = SpecdoctorServer("--fault", fault, "--allow-unhealthy", model=demo)
         try:
             code, report, seconds = probed(server.url, *args)
         finally:
@@ -101,6 +105,9 @@ def main() -> None:
     console.print(
         f"healthy: {healthy['exit_0']}/{healthy['runs']} runs exit 0; passed per sweep {healthy['passed_per_sweep']}; "
         f"probe --all {min(healthy['seconds'])}-{max(healthy['seconds'])} s"
+    )
+    console.print(
+        "context, position 0: " + ", ".join(f"{rate:.0%} at {label}" for label, rate in healthy["context_points"])
     )
     for fault, outcome in results["faults"].items():
         console.print(f"{fault}: exit {outcome['exit']} in {outcome['seconds']} s: {outcome['finding']}")
