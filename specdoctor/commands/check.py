@@ -12,6 +12,7 @@ from rich.table import Table
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.commands.options import (
     BatteryOption,
+    HtmlOption,
     JsonReportOption,
     JunitOption,
     MinLengthOption,
@@ -53,18 +54,21 @@ def check(
     memory_limit: MemoryLimitOption = None,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
+    html: HtmlOption = None,
 ) -> None:
     """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it."""
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit else None
     options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, tp_rank, limit)
-    emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check)
+    emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check, html)
 
 
 @runtime_command(**CHECK_DEFAULTS)
-def repair(runtime: RuntimeOptions, json_out: JsonReportOption = None, junit_xml: JunitOption = None) -> None:
+def repair(
+    runtime: RuntimeOptions, json_out: JsonReportOption = None, junit_xml: JunitOption = None, html: HtmlOption = None
+) -> None:
     """Same as `specdoctor check --repair`."""
     report = run_check(CheckOptions(runtime, repair=True), show_progress=json_out != "-")
-    emit_report(report, json_out, junit_xml, render_check)
+    emit_report(report, json_out, junit_xml, render_check, html)
 
 
 def render_check(report: CheckReport, console: Console) -> None:

@@ -30,6 +30,9 @@ MinLengthOption = Annotated[
 ]
 JsonReportOption = Annotated[str | None, typer.Option("--json", help="Write the JSON report to FILE, or - for stdout.")]
 JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report to FILE.")]
+HtmlOption = Annotated[
+    Path | None, typer.Option("--html", help="Write a self-contained HTML report, with charts, to FILE.")
+]
 
 # Decimal units as written, binary ones (and the bare letters, as `free -h` means them) in powers of 2.
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

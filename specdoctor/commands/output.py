@@ -30,9 +30,13 @@ def emit_json_or_table(text: str, json_out: str | None, render: Callable[[Consol
         write_text(Path(json_out), text)
 
 
-def emit_report(report: Report, json_out: str | None, junit_xml: Path | None, render) -> None:
+def emit_report(report: Report, json_out: str | None, junit_xml: Path | None, render, html: Path | None = None) -> None:
     """Print or write the report, then exit with its verdict (0 healthy, 1 findings)."""
     emit_json_or_table(to_json(report), json_out, lambda console: render(report, console))
     if junit_xml:
         write_text(junit_xml, to_junit(report))
+    if html:
+        from specdoctor.html_report import to_html
+
+        write_text(html, to_html(report))
     raise typer.Exit(report.exit_code)

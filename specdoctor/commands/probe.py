@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
-from specdoctor.commands.options import BatteryOption, JsonReportOption, JunitOption, MinLengthOption
+from specdoctor.commands.options import BatteryOption, HtmlOption, JsonReportOption, JunitOption, MinLengthOption
 from specdoctor.commands.output import emit_report
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.options import DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
@@ -86,6 +86,7 @@ def probe(
     run_all: AllFlag = False,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
+    html: HtmlOption = None,
 ) -> None:
     """Check a live deployment's speculative decoding over HTTP; exit 0 healthy, 1 findings, 2 unusable input."""
     from specdoctor.probe.run import run_probe
@@ -103,7 +104,7 @@ def probe(
     options = ProbeOptions(
         url, api_key, model, battery, min_acceptance_length, max_tokens, request_timeout, timeout, sweeps
     )
-    emit_report(run_probe(options), json_out, junit_xml, render_probe)
+    emit_report(run_probe(options), json_out, junit_xml, render_probe, html)
 
 
 def render_probe(report: ProbeReport, console: Console) -> None:

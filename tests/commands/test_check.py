@@ -18,6 +18,7 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.workflow.check import CheckOptions, run_check
 from tests.commands.test_cli import rename_key
 from tests.conftest import make_hf_checkpoint
+from tests.helpers.browser import images_loaded
 from tests.quant.fp8_checkpoint import write_fp8_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -234,8 +235,8 @@ def test_cli_broken_drafter_exits_1_with_json_and_junit(tmp_path):
 
 
 def test_cli_repair_prints_before_after_and_exits_0(tmp_path):
-    out = tmp_path / "report.json"
-    result = specdoctor("check", "--model", "demo", "--pp", "2", "--repair", "--json", str(out))
+    out, html = tmp_path / "report.json", tmp_path / "report.html"
+    result = specdoctor("check", "--model", "demo", "--pp", "2", "--repair", "--json", str(out), "--html", str(html))
     assert result.returncode == 0, result.stderr
     assert "Before / after" in result.stdout and "healthy after repair" in result.stdout
     report = json.loads(out.read_text())
@@ -245,6 +246,8 @@ def test_cli_repair_prints_before_after_and_exits_0(tmp_path):
     assert "drafter.fingerprint" in before["signals"]["content"]
     assert after["signals"] == {"content": [], "behaviour": []}
     assert after["drafter"]["tensors"]["embed_tokens.weight"]["mismatched_rows"] == 0
+    # The HTML report opens in a real browser, its before/after chart loaded.
+    assert images_loaded(html, tmp_path / "profile") == (1, 1) and "healthy after repair" in html.read_text()
 
 
 def test_repair_never_writes_to_the_checkpoint(tmp_path):

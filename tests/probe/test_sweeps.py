@@ -16,6 +16,7 @@ import torch
 from specdoctor.probe.output_sweeps import divergence
 from specdoctor.probe.stats import calibration_p_value
 from specdoctor.runtime.decode.rejection import verify_random
+from tests.helpers.browser import images_loaded
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port, probe
 from tests.probe.conftest import DUMMY_PAST
@@ -35,9 +36,10 @@ def junit_cases(path) -> dict[str, bool]:
 def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     """PP 2, k 3: the default context buckets and concurrency levels, sampling, and the reference comparison
     against the same demo served with speculation off."""
-    junit = tmp_path / "probe.xml"
+    junit, html = tmp_path / "probe.xml", tmp_path / "probe.html"
     reference = servers["off"].url
     args = ("--all", "--sampling", "600", "--reference-url", reference, "--json", "-", "--junit-xml", str(junit))
+    args += ("--html", str(html))
     result = probe(servers["healthy"].url, *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     sweeps = sweeps_of(result)
@@ -50,6 +52,9 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
         "9 of 9 prompts"
     )
     assert {f"probe.{name}": False for name in SWEEPS}.items() <= junit_cases(junit).items()
+    # The HTML report in a real browser: the battery's bars, context's curve and bars, the prefix cache's and
+    # concurrency's bars, and the sampling calibration, every one loaded.
+    assert images_loaded(html, tmp_path / "profile") == (7, 7)
 
 
 @pytest.mark.parametrize(
