@@ -41,6 +41,11 @@ def load_battery(path: Path | None) -> list[dict]:
     return entries
 
 
+def prompt_of(entry: dict) -> str | list[int]:
+    """What a battery entry sends: its text, or its token ids."""
+    return entry.get("prompt", entry.get("token_ids"))
+
+
 def prompt_field(entry, where: str) -> dict:
     """{"prompt": text} or {"token_ids": ids} from one battery line, checked."""
     if isinstance(entry, dict) and isinstance(entry.get("prompt"), str) and entry["prompt"]:

@@ -158,10 +158,11 @@ NOT_RUN = "not run"
 
 @dataclass
 class Sweep:
-    """One of probe's sweeps (probe/sweeps.py): its points (one group of requests each, e.g. a context-length
-    bucket) and its findings; a sweep the server could not support is NOT_RUN, with the reason."""
+    """One of probe's sweeps (probe/acceptance_sweeps.py, probe/output_sweeps.py): its points (one group of
+    requests each, e.g. a context-length bucket) and its findings; a sweep the server could not support is
+    NOT_RUN, with the reason."""
 
-    name: str  # battery | context | concurrency | sampling | reference
+    name: str  # context | prefix-cache | concurrency | sampling | reference
     status: str  # passed | failed | NOT_RUN
     summary: str  # one line: what was measured, or why it was not run
     source: str | None = None  # where acceptance figures came from: per-request, sglang, metrics

@@ -7,8 +7,8 @@ from specdoctor.checks.behaviour import CONSTANT_PROPOSALS_SHARE
 from specdoctor.checks.drafter_checkpoint import drafter_tensors
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
+from specdoctor.runtime.decode.speculative import DUMMY_DRAFT
 from specdoctor.runtime.drafter.draft_model import DraftModelKind
-from specdoctor.runtime.models.draft_model import DUMMY_DRAFT
 from specdoctor.runtime.partition import Placement
 
 

@@ -53,6 +53,14 @@ AllFlag = Annotated[
 ]
 
 
+def concurrency_levels(text: str | None) -> tuple[int, ...]:
+    """--concurrency's levels: two at least, the first the reference the others are compared with."""
+    levels = tuple(sorted(set(integers(text, "--concurrency"))))
+    if len(levels) == 1:
+        raise SpecdoctorError(f"--concurrency {text!r}: give two levels or more, e.g. 1,{max(4, levels[0] * 4)}")
+    return levels
+
+
 def integers(text: str | None, flag: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers."""
     if text is None:
@@ -97,7 +105,7 @@ def probe(
         max_context=max_context,
         sweep_prompts=sweep_prompts,
         prefix_cache=prefix_cache or run_all,
-        concurrency=integers(concurrency, "--concurrency") or (DEFAULT_CONCURRENCY if run_all else ()),
+        concurrency=concurrency_levels(concurrency) or (DEFAULT_CONCURRENCY if run_all else ()),
         sampling_tokens=sampling or (DEFAULT_SAMPLING_TOKENS if run_all else 0),
         reference_url=reference_url,
     )

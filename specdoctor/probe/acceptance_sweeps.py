@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 
 from specdoctor.checks.acceptance import broken_position0_limit
+from specdoctor.probe import prometheus
 from specdoctor.probe.client import Probe, Served, Window
 from specdoctor.probe.corpus import corpus_prompt
 from specdoctor.probe.options import SweepOptions
@@ -30,6 +31,7 @@ PREFIX_HINT = (
     "vllm#43559 with MTP): confirm with --no-enable-prefix-caching (vLLM) or --disable-radix-cache (SGLang), "
     "then upgrade"
 )
+PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found in its prefix cache
 PREFIX_PROMPT_TOKENS = 128  # most of each warm prompt is then restored from whole cached blocks
 PREFIX_PROMPTS = 24  # and PREFIX_MAX_TOKENS each: about 400 drafts a group at a mean length of 2
 PREFIX_MAX_TOKENS = 32
@@ -54,7 +56,8 @@ def context_lengths(options: SweepOptions, max_len: int, max_tokens: int) -> lis
     lengths = [CONTEXT_START]
     while lengths[-1] * 2 < longest:
         lengths.append(lengths[-1] * 2)
-    return [length for length in lengths if length < longest] + [longest]
+    # The longest replaces a doubling it would nearly repeat (1,024 beside 1,030).
+    return [length for length in lengths if length * 1.25 < longest] + [longest]
 
 
 def context_sweep(probe: Probe, served: Served, options: SweepOptions, baseline: float | None) -> Sweep:
@@ -96,19 +99,37 @@ def prefix_cache_sweep(probe: Probe, served: Served) -> Sweep:
     nonce = secrets.token_hex(8)
     body = int(PREFIX_PROMPT_TOKENS * per_token)
     prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, PREFIX_PROMPTS, body) for i in range(PREFIX_PROMPTS)]
-    windows = [probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
-    failed = [error for window in windows for error in window.errors]
+    cold = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
+    before = probe.samples()
+    warm = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
+    after = probe.samples()
+    failed = cold.errors + warm.errors
     if failed:
         return not_run("prefix-cache", f"{len(failed)} requests failed: {failed[0]}")
-    usages = [reply.get("usage") or {} for reply in windows[1].replies]
-    hits = [(usage.get("prompt_tokens_details") or {}).get("cached_tokens") for usage in usages]
-    reported = all(isinstance(hit, int) for hit in hits)  # vLLM reports them with --enable-prompt-tokens-details
-    if reported and not any(hits):
+    hits = cached_tokens(warm, before, after)
+    if hits is None:
+        return not_run(
+            "prefix-cache",
+            "the server reports no prefix-cache hits, so a cache that never hits would pass "
+            "(vLLM: --enable-prompt-tokens-details, or its /metrics)",
+        )
+    if hits == 0:
         return not_run("prefix-cache", "the warm prompts found nothing in the prefix cache: caching is off")
-    sweep = compare_groups("prefix-cache", windows, ["cold", "warm"], None, cliff=False, hint=PREFIX_HINT)
-    total = sum(usage.get("prompt_tokens", 0) for usage in usages)
-    sweep.summary += f"; warm prompt tokens cached: {f'{sum(hits):,} of {total:,}' if reported else 'not reported'}"
+    sweep = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, cliff=False, hint=PREFIX_HINT)
+    total = sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in warm.replies)
+    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,}"
     return sweep
+
+
+def cached_tokens(warm: Window, before: list | None, after: list | None) -> int | None:
+    """The warm prompts' tokens found in the prefix cache: from their usage (vLLM with
+    --enable-prompt-tokens-details, specdoctor serve), else vLLM's hit counter around them; None when neither."""
+    details = [(reply.get("usage") or {}).get("prompt_tokens_details") or {} for reply in warm.replies]
+    counts = [entry.get("cached_tokens") for entry in details]
+    if counts and all(isinstance(count, int) for count in counts):
+        return sum(counts)
+    hits = [prometheus.counter(samples, PREFIX_HITS) if samples else None for samples in (before, after)]
+    return None if None in hits else int(hits[1] - hits[0])
 
 
 def concurrency_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
@@ -139,6 +160,11 @@ def compare_groups(
     fault) fails on a significant drop; context (other prompts at each length) fails on a cliff: a length whose
     position-0 rate is, with confidence, under the broken-drafter limit, and warns on a significant halving."""
     points = [point(label, window) for label, window in zip(labels, windows, strict=True)]
+    stopped = [label for label, window in zip(labels, windows, strict=True) if not window.drafted]
+    if windows[0].drafted and stopped:  # the first group drafted, a later one not once: speculation stopped there
+        message = f"no draft was proposed at {stopped[0]}, where {labels[0]} drafted: speculative decoding stopped"
+        finding = Finding(f"probe.{name}", "error", message, hint, name, {"from": stopped[0]})
+        return sweep_of(name, message, windows[0].source, points, [finding])
     if any(window.position0 is None for window in windows):
         return not_run(name, f"the {windows[0].source} figures count no position-0 acceptances", points=points)
     reference, limit = windows[0].position0, broken_position0_limit(baseline)

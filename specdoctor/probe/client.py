@@ -55,6 +55,11 @@ class Window:
         return (self.metrics.num_accepted_tokens_per_pos or [0])[0], self.metrics.num_drafts
 
     @property
+    def drafted(self) -> bool:
+        """Whether the group's requests were drafted for at all (SGLang's figures exist only when they were)."""
+        return self.metrics is not None and (not isinstance(self.metrics, SpecMetrics) or self.metrics.num_drafts > 0)
+
+    @property
     def mean_length(self) -> float | None:
         if isinstance(self.metrics, SpecMetrics):
             return self.metrics.mean_acceptance_length if self.metrics.num_drafts else None
@@ -67,12 +72,16 @@ class Window:
 
 
 class Probe:
-    def __init__(self, options: ProbeOptions, url: str | None = None):
+    def __init__(self, options: ProbeOptions, url: str | None = None, deadline: float | None = None):
         self.options = options
         self.url = (url or options.url).rstrip("/")
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=options.request_timeout)
-        self.deadline = time.monotonic() + options.timeout
+        self.deadline = deadline or time.monotonic() + options.timeout
+
+    def sibling(self, url: str) -> "Probe":
+        """A probe of another server (a reference) within this probe's budget."""
+        return Probe(self.options, url, self.deadline)
 
     def get(self, path: str) -> httpx.Response:
         try:
@@ -100,11 +109,16 @@ class Probe:
         length = cards[model].get("max_model_len")
         return Served(model, str(cards[model].get("owned_by", "")), length if isinstance(length, int) else None)
 
-    def scrape(self) -> SpecMetrics | None:
+    def samples(self) -> list | None:
+        """Every sample of /metrics, or None where the server has no Prometheus endpoint."""
         response = self.get("/metrics")
         if response.status_code != 200:
             return None
-        return prometheus.spec_counters(prometheus.parse(response.text, f"{self.url}/metrics"))
+        return prometheus.parse(response.text, f"{self.url}/metrics")
+
+    def scrape(self) -> SpecMetrics | None:
+        samples = self.samples()
+        return None if samples is None else prometheus.spec_counters(samples)
 
     def complete(self, model: str, prompt: str | list[int], **fields) -> dict:
         """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input.

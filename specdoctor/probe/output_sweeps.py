@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from specdoctor.battery import prompt_of
 from specdoctor.probe.client import Probe, Served
 from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.stats import ALPHA, calibration_p_value
@@ -14,10 +15,11 @@ from specdoctor.report import Finding, Sweep
 SAMPLING_BINS = 5  # the reported top 5 by rank, then the rest: 5 degrees of freedom
 SAMPLING_TOKENS_PER_REQUEST = 128
 SAMPLING_CONCURRENCY = 4
-MIN_SAMPLED_STEPS = 100  # below this the chi-square approximation is not trusted
-# Greedy output may differ at a near tie: bf16 keeps 8 significant bits, so a logit near 16 is off by up to
-# 2^-4 after one rounding, and two runs that batch differently can land on either side of a gap under 0.1 nat.
-TIE_MARGIN = 0.1
+MIN_EXPECTED = 5  # tokens expected in every bin: the textbook condition for the chi-square approximation
+# Greedy output may differ at a near tie: bf16 keeps 8 significant bits, so each of two logits near 16 is off by
+# up to 2^-4 after one rounding, and their gap by up to 2^-3: two runs that batch differently can land on either
+# side of a gap under 0.125 nat.
+TIE_MARGIN = 0.125
 
 SAMPLING_HINT = (
     "the rejection sampler no longer keeps the target's distribution: vLLM reused the Philox offset for "
@@ -47,17 +49,20 @@ def sampling_fields(engine: str) -> dict:
     return fields
 
 
-def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | None:
-    """(bin probabilities, bin landed in) for every sampled token whose top SAMPLING_BINS were reported; None
-    when the replies carry no log-probabilities."""
+def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | str:
+    """(bin probabilities, bin landed in) for every sampled token whose top SAMPLING_BINS were reported; or why
+    not: no log-probabilities, or entries named by text (texts collide, and which do can depend on the token
+    sampled, which would bias the bins)."""
     probabilities, outcomes = [], []
     for reply in replies:
-        logprobs = ((reply.get("choices") or [{}])[0] or {}).get("logprobs")
+        logprobs = ((reply.get("choices") or [None])[0] or {}).get("logprobs")
         if not logprobs or not logprobs.get("top_logprobs"):
-            return None
+            return "returns no top log-probabilities"
+        if not all(str(token).startswith("token_id:") for token in logprobs.get("tokens") or []):
+            return "names log-probability entries by text, not by id (vLLM's return_tokens_as_token_ids)"
         for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=False):
             ranked = sorted((top or {}).items(), key=lambda item: -item[1])[:SAMPLING_BINS]
-            if len(ranked) < SAMPLING_BINS:  # texts collided, or a tiny vocabulary: decided before sampling
+            if len(ranked) < SAMPLING_BINS:  # a vocabulary smaller than the bins
                 continue
             bins = [math.exp(value) for _, value in ranked]
             probabilities.append([*bins, max(0.0, 1.0 - sum(bins))])
@@ -75,13 +80,13 @@ def calibration(probe: Probe, served: Served, tokens: int, prompts: list) -> dic
     if window.errors:
         return f"sampled requests failed: {window.errors[0]}"
     steps = sampled_steps(window.replies)
-    if steps is None:
-        return f"{probe.url} returns no top log-probabilities"
+    if isinstance(steps, str):
+        return f"{probe.url} {steps}"
     probabilities, outcomes = steps
-    if len(outcomes) < MIN_SAMPLED_STEPS:
-        return f"only {len(outcomes)} sampled tokens came with {SAMPLING_BINS} alternatives"
+    expected = [sum(column) for column in zip(*probabilities, strict=True)] if outcomes else [0.0]
+    if min(expected) < MIN_EXPECTED:
+        return f"{len(outcomes)} sampled tokens leave a bin expecting {min(expected):.1f} < {MIN_EXPECTED}: ask more"
     statistic, p_value, df = calibration_p_value(probabilities, outcomes)
-    expected = [sum(column) for column in zip(*probabilities, strict=True)]
     observed = [outcomes.count(b) for b in range(SAMPLING_BINS + 1)]
     return {
         "tokens": len(outcomes),
@@ -90,6 +95,7 @@ def calibration(probe: Probe, served: Served, tokens: int, prompts: list) -> dic
         "p_value": p_value,
         "expected": expected,
         "observed": observed,
+        "drafted": window.drafted,
         **point_figures(window),
     }
 
@@ -102,6 +108,8 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
     result = calibration(probe, served, options.sampling_tokens, prompts)
     if isinstance(result, str):
         return not_run("sampling", result)
+    if not result["drafted"]:
+        return not_run("sampling", "no draft was proposed for the sampled requests: speculation was not tested")
     points = [{"label": probe.url, **result}]
     findings = []
     if result["p_value"] < ALPHA:
@@ -123,27 +131,34 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
     return sweep_of("sampling", summary, result["source"], points, findings)
 
 
-def output_ids(reply: dict) -> list | str:
+def output_ids(reply: dict) -> list | None:
     """The completion's token ids where the server names them (vLLM's return_token_ids, or log-probability
-    entries named token_id:N), else its text."""
-    choice = (reply.get("choices") or [{}])[0] or {}
+    entries named token_id:N), else None."""
+    choice = (reply.get("choices") or [None])[0] or {}
     if isinstance(choice.get("token_ids"), list):
         return choice["token_ids"]
     tokens = (choice.get("logprobs") or {}).get("tokens") or []
     if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
         return [int(t.split(":", 1)[1]) for t in tokens]
-    return choice.get("text", "")
+    return None
+
+
+def output_text(reply: dict) -> str:
+    return ((reply.get("choices") or [None])[0] or {}).get("text") or ""
 
 
 def divergence(spec: dict, reference: dict) -> dict | None:
     """Where greedy output first differs, with the reference's log-probability gap between the two tokens there
-    (inf when the speculative token is not among the reference's top 2), or None when it does not differ."""
+    (inf when the speculative token is not among the reference's top 2), or None when it does not differ. Token
+    ids where both servers name them; otherwise the texts (character index, no gap)."""
     ours, theirs = output_ids(spec), output_ids(reference)
+    if ours is None or theirs is None:
+        ours, theirs = output_text(spec), output_text(reference)
     if ours == theirs:
         return None
     index = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
     gap = math.inf
-    tops = ((reference.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or []
+    tops = (((reference.get("choices") or [None])[0] or {}).get("logprobs") or {}).get("top_logprobs") or []
     if isinstance(ours, list) and index < len(tops) and index < len(ours):
         top = tops[index] or {}
         ranked = sorted(top.values(), reverse=True)
@@ -153,15 +168,18 @@ def divergence(spec: dict, reference: dict) -> dict | None:
 
 
 def reference_sweep(probe: Probe, served: Served, options: SweepOptions, battery: list[dict]) -> Sweep:
-    reference = Probe(probe.options, options.reference_url)
+    reference = probe.sibling(options.reference_url)
     other = reference.served_model()
-    prompts = [entry.get("prompt", entry.get("token_ids")) for entry in battery]
+    prompts = [prompt_of(entry) for entry in battery]
     fields = {"logprobs": 2, "return_tokens_as_token_ids": True}
-    ours = probe.complete_all(served.model, prompts, **fields)
+    window = probe.measure(served.model, prompts, **fields)
     theirs = reference.complete_all(other.model, prompts, **fields)
-    failed = [reply["error"] for reply in ours + theirs if "error" in reply]
+    failed = window.errors + [reply["error"] for reply in theirs if "error" in reply]
     if failed:
         return not_run("reference", f"{len(failed)} greedy requests failed: {failed[0]}")
+    if not window.drafted:
+        return not_run("reference", "no draft was proposed for these requests: speculation was not compared")
+    ours = window.replies
     differing = {
         entry["name"]: found
         for entry, mine, theirs_reply in zip(battery, ours, theirs, strict=True)

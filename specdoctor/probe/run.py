@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from specdoctor.battery import load_battery
+from specdoctor.battery import load_battery, prompt_of
 from specdoctor.checks.acceptance import bigram_baseline
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.acceptance_sweeps import concurrency_sweep, context_sweep, prefix_cache_sweep
@@ -20,7 +20,7 @@ def run_probe(options: ProbeOptions) -> ProbeReport:
     probe = Probe(options)
     battery = load_battery(options.battery)
     served = probe.served_model(options.model)
-    prompts = [entry.get("prompt", entry.get("token_ids")) for entry in battery]
+    prompts = [prompt_of(entry) for entry in battery]
     window = probe.measure(served.model, prompts)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items() if k != "api_key"}
     findings = error_findings(window.errors, len(battery))
@@ -40,7 +40,7 @@ def run_probe(options: ProbeOptions) -> ProbeReport:
 def run_sweeps(probe: Probe, served: Served, battery: list[dict], baseline: float | None) -> list[Sweep]:
     """Every sweep asked for; once the budget is spent the rest are not run, and say so."""
     options = probe.options.sweeps
-    prompts = [entry.get("prompt", entry.get("token_ids")) for entry in battery]
+    prompts = [prompt_of(entry) for entry in battery]
     runs = {
         "context": lambda: context_sweep(probe, served, options, baseline),
         "prefix-cache": lambda: prefix_cache_sweep(probe, served),

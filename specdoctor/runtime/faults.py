@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 from specdoctor.errors import SpecdoctorError
 
-FAULT_NAMES = ("drafter-max-position=N", "stale-batch-rows", "prefix-cache-drafter-kv", "rejection-reuse-uniform")
-SWITCHES = FAULT_NAMES[1:]  # the faults without a value
+SWITCHES = ("stale-batch-rows", "prefix-cache-drafter-kv", "rejection-reuse-uniform")  # the faults without a value
+FAULT_NAMES = ("drafter-max-position=N", *SWITCHES)
 
 
 @dataclass(frozen=True)

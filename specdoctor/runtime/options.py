@@ -209,7 +209,7 @@ class RuntimeOptions:
         None,
         "--fault",
         help="Reproduce engine faults, comma-separated: drafter-max-position=N, stale-batch-rows, "
-        "rejection-reuse-uniform (docs/probe.md).",
+        "prefix-cache-drafter-kv, rejection-reuse-uniform (docs/probe.md).",
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")

@@ -216,10 +216,10 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     tests above show gives vLLM's tokens). Two do not, and both are vLLM's (docs/probe.md §What vLLM 0.32 showed):
     with MTP its prefix cache never hits (0 cached tokens for prompts sent twice: the prefix-cache sweep cannot
     verify anything and says so), and at temperature 1 it emits tokens its own reported distribution gives
-    log-probabilities down to -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes)."""
+    log-probabilities down to about -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes)."""
     reference = SpecdoctorServer("--num-speculative-tokens", "0")
     try:
-        result = probe(vllm_demo.url, "--all", "--sampling", "1000", "--reference-url", reference.url)
+        result = probe(vllm_demo.url, "--all", "--sampling", "600", "--reference-url", reference.url)
     finally:
         reference.stop()
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr

@@ -13,6 +13,8 @@ import httpx
 import pytest
 import torch
 
+from specdoctor.probe.acceptance_sweeps import context_lengths
+from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.output_sweeps import divergence
 from specdoctor.probe.stats import calibration_p_value
 from specdoctor.runtime.decode.rejection import verify_random
@@ -34,19 +36,20 @@ def junit_cases(path) -> dict[str, bool]:
 
 
 def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
-    """PP 2, k 3: the default context buckets and concurrency levels, sampling, and the reference comparison
-    against the same demo served with speculation off."""
+    """PP 2, k 3: three context buckets up to the served 2,048 tokens, the default concurrency levels, sampling,
+    and the reference comparison against the same demo served with speculation off."""
     junit, html = tmp_path / "probe.xml", tmp_path / "probe.html"
     reference = servers["off"].url
-    args = ("--all", "--sampling", "600", "--reference-url", reference, "--json", "-", "--junit-xml", str(junit))
+    args = ("--all", "--context-lengths", "128,512,1536", "--sampling", "600", "--reference-url", reference)
+    args += ("--json", "-", "--junit-xml", str(junit))
     args += ("--html", str(html))
     result = probe(servers["healthy"].url, *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     sweeps = sweeps_of(result)
     assert list(sweeps) == SWEEPS and all(sweep["status"] == "passed" for sweep in sweeps.values())
     context = sweeps["context"]["points"]
-    assert len(context) >= 4 and context[-1]["metrics"]["num_drafts"] > 0  # up to the served 2,048 tokens
-    assert int(context[-1]["label"].split()[0].replace(",", "")) > 1500
+    assert len(context) == 3 and context[-1]["metrics"]["num_drafts"] > 0
+    assert int(context[-1]["label"].split()[0].replace(",", "")) > 1400
     assert [p["label"] for p in sweeps["concurrency"]["points"]] == ["1 in flight", "4 in flight", "16 in flight"]
     assert sweeps["sampling"]["points"][0]["tokens"] >= 600 and sweeps["reference"]["summary"].endswith(
         "9 of 9 prompts"
@@ -54,7 +57,7 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     assert {f"probe.{name}": False for name in SWEEPS}.items() <= junit_cases(junit).items()
     # The HTML report in a real browser: the battery's bars, context's curve and bars, the prefix cache's and
     # concurrency's bars, and the sampling calibration, every one loaded.
-    assert images_loaded(html, tmp_path / "profile") == (7, 7)
+    assert images_loaded(html, tmp_path / "profile") == (6, 6)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +127,8 @@ def test_bad_sweep_flags_exit_2_in_one_line(servers):
     assert result.returncode == 2 and result.stderr.strip() == (
         "specdoctor: error: --concurrency '1,four' is not a list of positive integers such as 1,4,16"
     )
+    single = probe(servers["healthy"].url, "--concurrency", "4")
+    assert single.returncode == 2 and "give two levels or more" in single.stderr
     fault = subprocess.run(
         [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--fault", "stale-rows"],
         capture_output=True,
@@ -132,6 +137,12 @@ def test_bad_sweep_flags_exit_2_in_one_line(servers):
     )
     assert fault.returncode == 2 and "--fault: unknown fault 'stale-rows'" in fault.stderr
     assert len(fault.stderr.strip().splitlines()) == 1
+
+
+def test_context_buckets_double_up_to_what_the_served_length_holds():
+    assert context_lengths(SweepOptions(), 2048, 32) == [128, 256, 512, 1024, 1814]
+    assert context_lengths(SweepOptions(), 1190, 32) == [128, 256, 512, 1042]  # not 1,024 beside 1,042
+    assert context_lengths(SweepOptions(context_lengths=(4000, 512)), 2048, 32) == [512]  # what fits, sorted
 
 
 def simulated_steps(generator: torch.Generator, steps: int, biased: bool) -> tuple[list[list[float]], list[int]]:

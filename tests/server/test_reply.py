@@ -113,12 +113,14 @@ def test_usage_counts_each_prompt_once_for_its_n_choices_and_every_choices_token
         finished_job(TOKENS[:2], "length", prompt=second),
         finished_job(TOKENS[:7], "length", prompt=second),
     ]
+    jobs[2].cached_tokens = jobs[3].cached_tokens = 16  # the second prompt's first block, found in the prefix cache
     reply = Reply(server_state(), CompletionRequest(prompt=["import os\n", "class"], n=2), jobs, chat=False)
     prompt, completion = len(first) + len(second), 3 + 5 + 2 + 7
     assert reply.usage() == {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 16},  # once per prompt, as the prompt tokens
     }
 
 
@@ -241,6 +243,7 @@ def test_a_whole_completion_through_the_scheduler_ends_at_the_stop_string():
         "prompt_tokens": len(PROMPT),
         "completion_tokens": kept,
         "total_tokens": len(PROMPT) + kept,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert answer["spec_decode"]["num_drafts"] == 1 and answer["spec_decode"]["num_draft_tokens"] == 3
 

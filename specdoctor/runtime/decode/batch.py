@@ -43,7 +43,7 @@ class BatchState:
         # With prefix caching, each prompt's leading blocks found in the store (the prompt pass starts past them).
         store = model.prefix_store
         self.hashes = [block_hashes(s.prompt) if store else [] for s in sequences]
-        hits = [store.hits(hashes) * BLOCK_SIZE if store else 0 for hashes in self.hashes]
+        hits = [store.hits(hashes, drafter=bool(k)) * BLOCK_SIZE if store else 0 for hashes in self.hashes]
         self.cached = torch.tensor(hits, device=model.device)
         pass_end = int(self.cached.max()) + int((self.lengths - self.cached).max())  # a padded pass writes to here
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
@@ -107,10 +107,11 @@ class BatchState:
                 # The MTP input at each prompt position is the next token: the prompt's, then the first new one.
                 next_tokens = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).scatter(1, last[:, None], first[:, 1:2])
                 self.drafts.propose(next_tokens, model.drafter_features(ids, final, taps), positions, base=last)
+                self.drafts.decoding = True
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
         if model.prefix_store:
             for row, hashes in enumerate(self.hashes):
-                model.prefix_store.save(self.cache_roles(), row, hashes)
+                model.prefix_store.save(self.cache_roles(), row, hashes, drafter=bool(self.k))
         model.comm.broadcast_from_last(self.decision)
         self.commit(count_metrics=False)
 

@@ -57,7 +57,7 @@ def verify_random(
     p = target_probs[:, :k].reshape(-1, vocab)
     # Noise drawn up front, so the kernels need no host synchronisation.
     if reuse_uniform:  # one number for every candidate: the race is won by the residual's largest entry
-        exponential = (-uniform.reshape(-1, 1).log()).expand_as(p).contiguous()
+        exponential = (-uniform.reshape(-1, 1).clamp(min=1e-12).log()).expand_as(p).contiguous()
     else:
         exponential = torch.empty_like(p).exponential_(generator=generator)
     recovered = kernels.sample_recovered(flat, q, p, exponential)

@@ -41,6 +41,7 @@ class Drafts:
         self.probs: torch.Tensor | None = None
         self.seconds = 0.0  # time spent proposing, for the step profile
         self.stale_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # --fault stale-batch-rows
+        self.decoding = False  # past the prompt pass's proposal (a regrouped batch is)
 
     def propose(
         self,
@@ -55,7 +56,8 @@ class Drafts:
         if self.faults.stale_batch_rows:
             next_tokens, features = self._stale_rows(next_tokens, features)
         limit = self.faults.drafter_max_position
-        if limit is not None and int(positions.max()) + 1 + self.k > limit:
+        longest = int(positions.gather(1, base[:, None]).max()) + 1  # the batch's longest sequence (not padding)
+        if limit is not None and longest + self.k > limit:
             self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
         else:
             chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
@@ -81,7 +83,7 @@ class Drafts:
         """Rows after the first keep reading the input (tokens and features) of the first decode step this batch
         took: a drafter buffer written once and never refreshed (the batch regrouped, it is written again)."""
         stale = self.stale_inputs
-        if tokens.shape[0] < 2:
+        if tokens.shape[0] < 2 or not self.decoding:
             return tokens, features
         if stale is None or stale[0].shape != tokens.shape or stale[1].shape != features.shape:
             self.stale_inputs = tokens, features
@@ -113,6 +115,7 @@ class Drafts:
             probs = [d.probs if d.probs is not None else one_hot(d.tokens, vocab) for d in sources]
             joined.probs = take_rows(torch.cat([p.float() for p in probs]), rows)
         joined.seconds = sum(d.seconds for d in sources)
+        joined.decoding = True
         return joined
 
 

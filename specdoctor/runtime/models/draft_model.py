@@ -14,8 +14,6 @@ from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.stage import TargetStage
 
-DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordinary token id
-
 
 class DraftModel(TargetStage):
     """Every layer of a draft model, embedding and head included; parameter names are its checkpoint keys."""
