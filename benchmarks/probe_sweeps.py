@@ -31,7 +31,7 @@ FAULT_SWEEPS = {  # fault: (demo, the sweep that finds it)
     "prefix-cache-drafter-kv": ("demo-dspark", "--prefix-cache"),  # a drafter that reads its context K/V
     "rejection-reuse-uniform": ("demo", "--sampling", "2000"),
 }
-POWER_TOKENS = (100, 150, 200, 300, 500)
+POWER_TOKENS = (100, 200, 300, 500)
 
 
 def probed(url: str, *args: str) -> tuple[int, dict, float]:
