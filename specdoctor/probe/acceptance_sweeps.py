@@ -33,7 +33,7 @@ PREFIX_HINT = (
 )
 PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found in its prefix cache
 PREFIX_PROMPT_TOKENS = 128  # most of each warm prompt is then restored from whole cached blocks
-PREFIX_PROMPTS = 24  # and PREFIX_MAX_TOKENS each: about 400 drafts a group at a mean length of 2
+PREFIX_PROMPTS = 48  # and PREFIX_MAX_TOKENS each: about 800 drafts a group at a mean length of 2
 PREFIX_MAX_TOKENS = 32
 CONCURRENCY_HINT = (
     "rows of a batched drafter step read what they should not: padded or stale rows (vllm#26191, tokenspeed#955) "
