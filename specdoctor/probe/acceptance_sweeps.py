@@ -180,10 +180,7 @@ def compare_groups(
         elif p_value < alpha and (not cliff or rate < first / 2):
             drops.append((index, p_value))
     findings = []
-    for found, severity, what_to_check in (
-        (cliffs, "error", CONTEXT_HINT),
-        (drops, "warning" if cliff else "error", hint),
-    ):
+    for found, severity in ((cliffs, "error"), (drops, "warning" if cliff else "error")):
         if found:
             index, p_value = found[0]
             before, window = windows[index - 1], windows[index]
@@ -194,8 +191,6 @@ def compare_groups(
             )
             what = "falls off a cliff" if found is cliffs else f"falls with {name}"
             data = {"from": labels[index], "p_value": p_value, "limit": limit, "alpha": alpha}
-            findings.append(
-                Finding(f"probe.{name}", severity, f"acceptance {what}: {evidence}", what_to_check, name, data)
-            )
+            findings.append(Finding(f"probe.{name}", severity, f"acceptance {what}: {evidence}", hint, name, data))
     shown = ", ".join(f"{w.mean_length:.2f} at {label}" for w, label in zip(windows, labels, strict=True))
     return sweep_of(name, f"mean acceptance length {shown}", windows[0].source, points, findings)

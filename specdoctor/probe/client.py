@@ -162,6 +162,11 @@ class Probe:
         return Window(source, metrics, replies, [answer["error"] for answer in answers if "error" in answer])
 
 
+def first_choice(reply: dict) -> dict:
+    """A completion's first choice ({} where it has none)."""
+    return (reply.get("choices") or [None])[0] or {}
+
+
 def error_findings(errors: list[str], asked: int) -> list[Finding]:
     if not errors:
         return []

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 
-from specdoctor.battery import prompt_of
-from specdoctor.probe.client import Probe, Served
+from specdoctor.probe.client import Probe, Served, first_choice
 from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.stats import ALPHA, calibration_p_value
 from specdoctor.probe.verdicts import not_run, sweep_of
@@ -55,7 +54,7 @@ def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | 
     sampled, which would bias the bins)."""
     probabilities, outcomes = [], []
     for reply in replies:
-        logprobs = ((reply.get("choices") or [None])[0] or {}).get("logprobs")
+        logprobs = first_choice(reply).get("logprobs")
         if not logprobs or not logprobs.get("top_logprobs"):
             return "returns no top log-probabilities"
         if not all(str(token).startswith("token_id:") for token in logprobs.get("tokens") or []):
@@ -134,7 +133,7 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
 def output_ids(reply: dict) -> list | None:
     """The completion's token ids where the server names them (vLLM's return_token_ids, or log-probability
     entries named token_id:N), else None."""
-    choice = (reply.get("choices") or [None])[0] or {}
+    choice = first_choice(reply)
     if isinstance(choice.get("token_ids"), list):
         return choice["token_ids"]
     tokens = (choice.get("logprobs") or {}).get("tokens") or []
@@ -144,7 +143,7 @@ def output_ids(reply: dict) -> list | None:
 
 
 def output_text(reply: dict) -> str:
-    return ((reply.get("choices") or [None])[0] or {}).get("text") or ""
+    return first_choice(reply).get("text") or ""
 
 
 def divergence(spec: dict, reference: dict) -> dict | None:
@@ -158,7 +157,7 @@ def divergence(spec: dict, reference: dict) -> dict | None:
         return None
     index = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
     gap = math.inf
-    tops = (((reference.get("choices") or [None])[0] or {}).get("logprobs") or {}).get("top_logprobs") or []
+    tops = (first_choice(reference).get("logprobs") or {}).get("top_logprobs") or []
     if isinstance(ours, list) and index < len(tops) and index < len(ours):
         top = tops[index] or {}
         ranked = sorted(top.values(), reverse=True)
@@ -167,10 +166,9 @@ def divergence(spec: dict, reference: dict) -> dict | None:
     return {"index": index, "gap": gap}
 
 
-def reference_sweep(probe: Probe, served: Served, options: SweepOptions, battery: list[dict]) -> Sweep:
+def reference_sweep(probe: Probe, served: Served, options: SweepOptions, battery: list[dict], prompts: list) -> Sweep:
     reference = probe.sibling(options.reference_url)
     other = reference.served_model()
-    prompts = [prompt_of(entry) for entry in battery]
     fields = {"logprobs": 2, "return_tokens_as_token_ids": True}
     window = probe.measure(served.model, prompts, **fields)
     theirs = reference.complete_all(other.model, prompts, **fields)

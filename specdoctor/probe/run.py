@@ -9,7 +9,7 @@ from specdoctor.battery import load_battery, prompt_of
 from specdoctor.checks.acceptance import bigram_baseline
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.acceptance_sweeps import concurrency_sweep, context_sweep, prefix_cache_sweep
-from specdoctor.probe.client import BudgetSpent, Probe, Served, error_findings, probe_findings
+from specdoctor.probe.client import BudgetSpent, Probe, Served, error_findings, first_choice, probe_findings
 from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.output_sweeps import reference_sweep, sampling_sweep
 from specdoctor.probe.verdicts import not_run
@@ -24,7 +24,7 @@ def run_probe(options: ProbeOptions) -> ProbeReport:
     window = probe.measure(served.model, prompts)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items() if k != "api_key"}
     findings = error_findings(window.errors, len(battery))
-    outputs = [((reply.get("choices") or [{}])[0] or {}).get("token_ids") for reply in window.replies]
+    outputs = [first_choice(reply).get("token_ids") for reply in window.replies]
     baseline = bigram_baseline(outputs) if window.replies and all(isinstance(o, list) for o in outputs) else None
     if window.replies:
         findings += probe_findings(
@@ -33,20 +33,19 @@ def run_probe(options: ProbeOptions) -> ProbeReport:
     answered = f"{len(window.replies)}/{len(battery)} answered"
     metrics = window.figures()["metrics"]
     report = ProbeReport(options.url, served.model, served.engine, settings, window.source, answered, metrics, findings)
-    report.sweeps = run_sweeps(probe, served, battery, baseline)
+    report.sweeps = run_sweeps(probe, served, battery, prompts, baseline)
     return report
 
 
-def run_sweeps(probe: Probe, served: Served, battery: list[dict], baseline: float | None) -> list[Sweep]:
-    """Every sweep asked for; once the budget is spent the rest are not run, and say so."""
+def run_sweeps(probe: Probe, served: Served, battery: list[dict], prompts: list, baseline: float | None) -> list[Sweep]:
+    """Every sweep asked for (`prompts`: the battery's, as sent); once the budget is spent the rest are not run."""
     options = probe.options.sweeps
-    prompts = [prompt_of(entry) for entry in battery]
     runs = {
         "context": lambda: context_sweep(probe, served, options, baseline),
         "prefix-cache": lambda: prefix_cache_sweep(probe, served),
         "concurrency": lambda: concurrency_sweep(probe, served, options, prompts),
         "sampling": lambda: sampling_sweep(probe, served, options, prompts),
-        "reference": lambda: reference_sweep(probe, served, options, battery),
+        "reference": lambda: reference_sweep(probe, served, options, battery, prompts),
     }
     sweeps, spent = [], None
     for name in options.asked:

@@ -90,7 +90,7 @@ class BatchState:
         if model.prefix_store:
             unwritten = "drafter" if model.faults.prefix_cache_drafter_kv else None
             for row, hashes in enumerate(self.hashes):
-                hit = hashes[: int(self.cached[row]) // BLOCK_SIZE]
+                hit = hashes[: self.result.cached_tokens[row] // BLOCK_SIZE]  # the host's copy: no device read
                 model.prefix_store.restore(self.cache_roles(), row, hit, unwritten)
         self.cache.begin(valid_end=computed, keep_positions=False)
         hidden, taps = pipeline_pass(model, ids, positions, self.cache)

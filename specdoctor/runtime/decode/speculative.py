@@ -55,9 +55,7 @@ class Drafts:
         start = time.perf_counter()
         if self.faults.stale_batch_rows:
             next_tokens, features = self._stale_rows(next_tokens, features)
-        limit = self.faults.drafter_max_position
-        longest = int(positions.gather(1, base[:, None]).max()) + 1  # the batch's longest sequence (not padding)
-        if limit is not None and longest + self.k > limit:
+        if self.past_dummy_limit(positions, base):
             self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
         else:
             chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
@@ -73,6 +71,13 @@ class Drafts:
             self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
         self.seconds += time.perf_counter() - start
+
+    def past_dummy_limit(self, positions: torch.Tensor, base: torch.Tensor) -> bool:
+        """vLLM's length gate (--fault drafter-max-position, a draft model's dummy policy): the batch's longest
+        sequence (its last accepted position, not padding) plus k past the limit. Read from the device only when
+        there is a limit: it waits for the device."""
+        limit = self.faults.drafter_max_position
+        return limit is not None and int(positions.gather(1, base[:, None]).max()) + 1 + self.k > limit
 
     def _dummy(self, batch: int, device) -> None:
         """DUMMY_DRAFT at every position of every row (no q: verified as one-hot, as greedy drafts are)."""
