@@ -242,6 +242,20 @@ def to_junit(report: Report) -> str:
     return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
 
 
+def placement_table(rows: list[dict]) -> Table:
+    """The pipeline stages (rows of `placement_row`): each one's ranks (TP ranks inner), layers and what it holds."""
+    tp = len(rows[0].get("ranks", [0])) if rows else 1
+    table = Table(title=f"Placement · TP {tp} × PP {len(rows)}")
+    for column in ("stage", "ranks", "layers", "embedding", "head", "drafter"):
+        table.add_column(column)
+    for row in rows:
+        start, stop = row["layers"]
+        flags = ("yes" if row[key] else "-" for key in ("has_embedding", "has_head", "has_drafter"))
+        ranks = ", ".join(map(str, row.get("ranks", [row["rank"]])))
+        table.add_row(str(row["rank"]), ranks, f"[{start}, {stop})", *flags)
+    return table
+
+
 def findings_table(title: str, findings: list[Finding]) -> Table:
     table = Table(title=title, show_lines=False)
     for column in ("severity", "check", "finding", "hint"):

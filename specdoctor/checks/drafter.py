@@ -9,8 +9,26 @@ from __future__ import annotations
 from specdoctor.report import Finding
 
 
-def drafter_findings(state, stage: str) -> tuple[list[Finding], list[str]]:
-    """(findings, names of the broken drafter tensors) for a DrafterState."""
+def drafter_findings(state, stage: str) -> tuple[list[Finding], dict[int, list[str]]]:
+    """(findings, names of the broken drafter tensors by TP rank) for a DrafterState. Under TP each rank's shard
+    was measured on its rank: its findings name the rank (the others may be healthy)."""
+    if not state.tp_ranks:
+        findings, broken = shard_findings(state, stage)
+        return findings, {0: broken}
+    findings, broken = [], {}
+    for shard in state.tp_ranks:
+        found, broken[shard.tp_rank] = shard_findings(shard, stage)
+        label = f"TP rank {shard.tp_rank}/{len(state.tp_ranks)}"
+        for finding in found:
+            if finding.severity != "info" or shard.tp_rank == 0:
+                finding.message = f"{label}: {finding.message}"
+                finding.data = {**(finding.data or {}), "tp_rank": shard.tp_rank}
+                findings.append(finding)
+    return findings, broken
+
+
+def shard_findings(state, stage: str) -> tuple[list[Finding], list[str]]:
+    """(findings, names of the broken drafter tensors) for one rank's DrafterState."""
     findings = [provenance_finding(state.unfilled, stage)]
     for name, placeholder in state.placeholders.items():
         findings.append(

@@ -20,7 +20,7 @@ from specdoctor.commands.options import (
     runtime_command,
 )
 from specdoctor.commands.output import emit_report
-from specdoctor.report import CheckReport, Finding, acceptance_row, findings_table, render_verdict
+from specdoctor.report import CheckReport, Finding, acceptance_row, findings_table, placement_table, render_verdict
 from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
 from specdoctor.workflow.check import CheckOptions, run_check
 
@@ -33,7 +33,6 @@ CHECK_DEFAULTS = dict(
 
 RepairFlag = Annotated[bool, typer.Option("--repair", help="Repair the drafter from the checkpoint and re-check.")]
 MaxTokensOption = Annotated[int, typer.Option(help="Tokens generated per battery prompt.")]
-TpRankOption = Annotated[int, typer.Option(help="Tensor-parallel rank whose vocab shard the repair checks.")]
 MemoryLimitOption = Annotated[
     str | None,
     typer.Option(
@@ -50,7 +49,6 @@ def check(
     battery: BatteryOption = None,
     min_acceptance_length: MinLengthOption = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     max_tokens: MaxTokensOption = 32,
-    tp_rank: TpRankOption = 0,
     memory_limit: MemoryLimitOption = None,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
@@ -58,7 +56,7 @@ def check(
 ) -> None:
     """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it."""
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit else None
-    options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, tp_rank, limit)
+    options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, limit)
     emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check, html)
 
 
@@ -72,14 +70,7 @@ def repair(
 
 
 def render_check(report: CheckReport, console: Console) -> None:
-    placement = Table(title=f"Placement · PP {report.settings['pp']}")
-    for column in ("rank", "layers", "embedding", "head", "drafter"):
-        placement.add_column(column)
-    for rank in report.placement:
-        start, stop = rank["layers"]
-        flags = ("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter"))
-        placement.add_row(str(rank["rank"]), f"[{start}, {stop})", *flags)
-    console.print(placement)
+    console.print(placement_table(report.placement))
     console.print(findings_table("Pre-flight (headers only)", report.preflight))
     for stage in report.stages:
         console.print(findings_table(f"Loaded drafter and battery · {stage.name} · {stage.policy}", stage.findings))

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from specdoctor.commands.options import JsonReportOption, ModelOption, runtime_field_option
 from specdoctor.commands.output import emit_json_or_table
-from specdoctor.report import Finding, findings_table
+from specdoctor.report import Finding, findings_table, placement_table
 
 PipelineSizeOption = runtime_field_option("pp")
 SpeculativeModelOption = runtime_field_option("speculative_model")
@@ -133,13 +133,7 @@ def render_summary(summary: dict, console: Console) -> None:
         console.print(f"Draft embedding source: [bold]{draft}[/bold] (first present of the candidate keys)")
     else:
         console.print("[red]Draft embedding source: none of the candidate keys is in the checkpoint[/red]")
-    placement = Table(title=f"Placement · PP {len(summary['placement'])}")
-    for column in ("rank", "layers", "embedding", "head", "drafter"):
-        placement.add_column(column)
-    for rank in summary["placement"]:
-        flags = ("yes" if rank[key] else "-" for key in ("has_embedding", "has_head", "has_drafter"))
-        placement.add_row(str(rank["rank"]), f"[{rank['layers'][0]}, {rank['layers'][1]})", *flags)
-    console.print(placement)
+    console.print(placement_table(summary["placement"]))
     findings = [Finding(**finding) for finding in summary["preflight"]]
     console.print(findings_table("Pre-flight (headers only)", findings))
 

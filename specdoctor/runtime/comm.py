@@ -1,9 +1,13 @@
-"""Moving data between pipeline ranks over torch.distributed, with timeouts and peer-named errors."""
+"""Moving data between pipeline ranks over torch.distributed, with timeouts and peer-named errors.
+
+Ranks are laid out as vLLM lays them out: tensor-parallel ranks inner, pipeline stages outer (global rank
+= stage * TP + TP rank). Hidden states go from each TP rank to the same TP rank of the next stage."""
 
 from __future__ import annotations
 
 import contextlib
 import pickle
+import random
 import time
 from datetime import timedelta
 
@@ -11,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime import tensor_parallel
+from specdoctor.runtime.tensor_parallel import TensorParallel
 
 
 class PipelineError(SpecdoctorError):
@@ -21,12 +27,26 @@ class PipelineComm:
     """Hidden states go rank to rank point-to-point; the first rank broadcasts commands, the last
     rank broadcasts each step's decision so every rank keeps positions and KV caches in sync."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float):
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, rank: int, pp: int, tp: int, device: torch.device, timeout_s: float):
+        self.rank, self.world_size, self.device = rank, pp * tp, device
+        self.stage, self.tp_rank, self.tp = divmod(rank, tp) + (tp,)
         self.seconds = 0.0  # time spent moving data or waiting for a peer, for the step profile
-        if world_size > 1:
+        if self.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                backend, rank=rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
+            )
+        group = None
+        for stage in range(pp) if tp > 1 else ():  # every rank creates every group, in the same order
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            created = dist.new_group(ranks)
+            group = created if stage == self.stage else group
+        tensor_parallel.use(TensorParallel(self.tp_rank, tp, group))
+        self.last = (pp - 1) * tp  # TP rank 0 of the last stage: it speaks for the stage
+
+    def peer(self, stage: int) -> int:
+        """The global rank of this TP rank's peer on pipeline stage `stage`."""
+        return stage * self.tp + self.tp_rank
 
     @contextlib.contextmanager
     def _talking_to(self, peer: int, what: str):
@@ -40,13 +60,13 @@ class PipelineComm:
             self.seconds += time.perf_counter() - start
 
     def send_next(self, tensor: torch.Tensor) -> None:
-        with self._talking_to(self.rank + 1, "sending hidden states to"):
-            dist.send(tensor.contiguous(), self.rank + 1)
+        with self._talking_to(self.peer(self.stage + 1), "sending hidden states to"):
+            dist.send(tensor.contiguous(), self.peer(self.stage + 1))
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        with self._talking_to(self.rank - 1, "receiving hidden states from"):
-            dist.recv(buffer, self.rank - 1)
+        with self._talking_to(self.peer(self.stage - 1), "receiving hidden states from"):
+            dist.recv(buffer, self.peer(self.stage - 1))
         return buffer
 
     def _fan_out(self, source: int, tensor: torch.Tensor, what: str) -> None:
@@ -62,23 +82,42 @@ class PipelineComm:
                 dist.recv(tensor, source)
 
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last rank's tensor, on every rank (others pass a buffer of the right shape)."""
+        """The last stage's tensor (its TP rank 0's), on every rank (others pass a buffer of the right shape;
+        the last stage's other TP ranks computed the same, or under sampling their own draw, which this replaces)."""
         if self.world_size > 1:
-            self._fan_out(self.world_size - 1, tensor, "the step decision")
+            self._fan_out(self.last, tensor, "the step decision")
         return tensor
 
-    def gather(self, tensor: torch.Tensor, root: int, what: str) -> torch.Tensor | None:
-        """Every rank's `tensor` stacked [world_size, ...] on `root`; None on the others."""
+    def gather(self, tensor: torch.Tensor, root_stage: int, what: str) -> torch.Tensor | None:
+        """Every stage's `tensor` stacked [stages, ...] on stage `root_stage`, between the ranks of one TP rank;
+        None on the others."""
+        stages, root = self.world_size // self.tp, self.peer(root_stage)
         if self.rank != root:
             with self._talking_to(root, f"sending {what} to"):
                 dist.send(tensor.contiguous(), root)
             return None
-        gathered = [tensor if peer == root else torch.empty_like(tensor) for peer in range(self.world_size)]
-        for peer in range(self.world_size):
-            if peer != root:
-                with self._talking_to(peer, f"receiving {what} from"):
-                    dist.recv(gathered[peer], peer)
+        gathered = [tensor if stage == root_stage else torch.empty_like(tensor) for stage in range(stages)]
+        for stage in range(stages):
+            if stage != root_stage:
+                with self._talking_to(self.peer(stage), f"receiving {what} from"):
+                    dist.recv(gathered[stage], self.peer(stage))
         return torch.stack(gathered)
+
+    def gather_tp(self, answer: object, what: str) -> list | None:
+        """Every TP rank's `answer` of this stage, in TP order, on its TP rank 0; None on the others."""
+        if self.tp == 1:
+            return [answer]
+        gathered = [None] * self.tp if self.tp_rank == 0 else None
+        with self._talking_to(self.peer(self.stage) - self.tp_rank, f"gathering {what} with"):
+            dist.gather_object(answer, gathered, dst=self.stage * self.tp, group=tensor_parallel.current().group)
+        return gathered
+
+    def shared_seed(self) -> int:
+        """A random seed the same on every rank (rank 0's), so TP ranks that sample draw alike."""
+        seed = torch.tensor([random.getrandbits(62)], device=self.device)
+        if self.world_size > 1:
+            self._fan_out(0, seed, "the sampling seed")
+        return int(seed)
 
     def broadcast_command(self, command: object = None) -> object:
         """The first rank's command object, on every rank."""

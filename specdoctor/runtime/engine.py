@@ -36,6 +36,7 @@ from specdoctor.runtime.launch import free_port, process_state, rank_context
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import TapReading
+from specdoctor.runtime.tensor_parallel import runtime_refusal
 from specdoctor.runtime.worker import rank_main
 
 # What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).
@@ -45,16 +46,14 @@ ERRORS = ("error", "peer_error")
 class Engine:
     def __init__(self, options: RuntimeOptions, checkpoint: Checkpoint | None = None, show_progress: bool = False):
         """Start the ranks; pass `checkpoint` when the caller has already opened it (no second header scan)."""
-        if options.tp != 1:
-            raise SpecdoctorError(
-                f"--tensor-parallel-size {options.tp}: the runtime runs tensor-parallel size 1 "
-                "(check --repair --tensor-parallel-size N verifies a TP rank's vocab shard of the repair)"
-            )
         # Validate in this process first, so bad input fails before any rank starts.
         self.checkpoint = checkpoint or Checkpoint(options.model)
         self.checkpoint.require_runnable()
         self.config = self.checkpoint.config
         self.drafter = open_drafter(self.checkpoint, options)
+        refused = runtime_refusal(self.checkpoint, self.drafter, options)
+        if refused:
+            raise SpecdoctorError(refused)
         if self.drafter and self.drafter.taps:
             self.drafter.engine_taps(options.tap_policy)
         self.speculates = self.drafter is not None
@@ -75,7 +74,8 @@ class Engine:
         self._inbox = context.Queue()
         # One reply pipe per rank: a shared queue has a cross-process lock, and a rank stopped while
         # holding it would block every other rank's replies, error reports included.
-        pipes = [context.Pipe(duplex=False) for _ in range(options.pp)]
+        world = options.pp * options.tp  # TP ranks inner, pipeline stages outer (runtime/comm.py)
+        pipes = [context.Pipe(duplex=False) for _ in range(world)]
         self._replies = [reader for reader, _ in pipes]
         port = free_port()
         self._processes = [
@@ -89,7 +89,7 @@ class Engine:
         ]
         self._closed = False
         self.continuous_k = 0  # the speculative tokens of continuous batching, once started
-        self.rank_info: list[dict] = [{} for _ in range(options.pp)]
+        self.rank_info: list[dict] = [{} for _ in range(world)]
         for process in self._processes:
             process.start()
         for _, writer in pipes:
@@ -106,11 +106,11 @@ class Engine:
 
     @property
     def drafter_provenance(self) -> dict[str, str]:
-        return self.rank_info[-1].get("drafter_provenance", {})
+        return self.rank_info[(self.options.pp - 1) * self.options.tp].get("drafter_provenance", {})
 
     def _wait_until_ready(self, show_progress: bool) -> None:
         with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
-            task = progress.add_task(f"starting {len(self._processes)} pipeline rank(s)", total=len(self._processes))
+            task = progress.add_task(f"starting {len(self._processes)} rank(s)", total=len(self._processes))
             for _ in self._processes:
                 # Loading has no deadline (a large checkpoint can take minutes); a dead rank still ends the wait.
                 _, rank, info = self._wait_for("ready", None)
@@ -191,9 +191,9 @@ class Engine:
         """What the live drafter holds, measured on its rank."""
         return self._drafter_operation("measure_drafter")
 
-    def repair_drafter(self, names: list[str], tp_size: int = 1, tp_rank: int = 0) -> RepairResult:
-        """Fill the named drafter tensors from the checkpoint, on the drafter's rank."""
-        return self._drafter_operation("repair_drafter", names=names, tp_size=tp_size, tp_rank=tp_rank)
+    def repair_drafter(self, names: list[str] | dict[int, list[str]]) -> RepairResult:
+        """Fill the named drafter tensors from the checkpoint, on the drafter's stage (by TP rank: each its own)."""
+        return self._drafter_operation("repair_drafter", names=names)
 
     def _drafter_operation(self, kind: str, **payload):
         if self._closed:

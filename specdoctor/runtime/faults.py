@@ -10,6 +10,11 @@ sweeps are tested against the failure they exist to find (docs/probe.md §Faults
   rejection-reuse-uniform  the recovered token draws no fresh noise: it reuses the draft's acceptance
                            uniform for every candidate, so the race is decided by the residual alone
                            (vllm-ascend#16370); output at temperature > 0 is no longer the target's
+  per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
+                           the target's embedding: TP rank 0 does, the others leave their shard as allocated
+                           (vllm#50158)
+  vocab-shard-shifted      under TP, the last TP rank reads its slice of the drafter's embedding at the range of
+                           the rank before it (a shard range computed off by one shard)
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from dataclasses import dataclass, replace
 
 from specdoctor.errors import SpecdoctorError
 
-SWITCHES = ("stale-batch-rows", "prefix-cache-drafter-kv", "rejection-reuse-uniform")  # the faults without a value
+SWITCHES = (
+    "stale-batch-rows",
+    "prefix-cache-drafter-kv",
+    "rejection-reuse-uniform",
+    "per-rank-sharing",
+    "vocab-shard-shifted",
+)  # the faults without a value
 FAULT_NAMES = ("drafter-max-position=N", *SWITCHES)
 
 
@@ -28,6 +39,8 @@ class Faults:
     stale_batch_rows: bool = False
     prefix_cache_drafter_kv: bool = False
     rejection_reuse_uniform: bool = False
+    per_rank_sharing: bool = False
+    vocab_shard_shifted: bool = False
 
     @staticmethod
     def parse(text: str | None) -> "Faults":

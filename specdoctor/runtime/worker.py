@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -24,17 +25,21 @@ from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.drafter.kinds import open_drafter
-from specdoctor.runtime.drafter.measure import measure_drafter
+from specdoctor.runtime.drafter.measure import combine_states, measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
-from specdoctor.runtime.drafter.repair import repair_drafter
+from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
 
-# Operations only the drafter's rank answers: what the live drafter holds, and its repair.
-DRAFTER_OPERATIONS = {"measure_drafter": measure_drafter, "repair_drafter": repair_drafter}
+# Operations only the drafter's stage answers: what the live drafter holds, and its repair; each TP rank's
+# answer about its shard, combined into one.
+DRAFTER_OPERATIONS = {
+    "measure_drafter": (measure_drafter, combine_states),
+    "repair_drafter": (repair_drafter, combine_repairs),
+}
 
 
 def rank_device(options: RuntimeOptions, rank: int) -> torch.device:
@@ -47,19 +52,25 @@ def rank_device(options: RuntimeOptions, rank: int) -> torch.device:
 
 
 def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
-    """Build this rank's stage (and the drafter on the last rank), then join the pipeline's process group."""
+    """Join the process group (which sets this rank's tensor-parallel group), then build this rank's shard of
+    its stage (and of the drafter on the last stage)."""
+    comm = PipelineComm(rank, options.pp, options.tp, rank_device(options, rank), options.timeout)
+    torch.manual_seed(comm.shared_seed())  # unseeded sampling draws alike on the TP ranks of the last stage
     model, info = build_rank(options, rank)
-    model.comm = PipelineComm(rank, options.pp, model.device, options.timeout)
+    model.comm = comm
     return model, info
 
 
 def build_rank(
     options: RuntimeOptions, rank: int, checkpoint: Checkpoint | None = None, kind: DrafterKind | None = None
 ) -> tuple[RankModel, dict]:
-    """This rank's stage (and the drafter on the last rank), reading only the tensors it owns; not yet
-    connected to its peers (`comm` is None), so one rank of a pipeline can be built alone (the tests, and a
-    model larger than the machine). `checkpoint` and `kind`: already opened by the caller."""
+    """Global rank `rank`'s shard of its stage (and of the drafter on the last stage), reading only the tensors and
+    rows it owns; not yet connected to its peers (`comm` is None), so one rank of a pipeline can be built alone
+    (the tests, and a model larger than the machine). `checkpoint` and `kind`: already opened by the caller."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
+    stage_rank, tp_rank = divmod(rank, options.tp)
+    if tensor_parallel.current().size != options.tp:  # built alone: the shapes of its TP rank, no group
+        tensor_parallel.use(tensor_parallel.TensorParallel(tp_rank, options.tp))
     checkpoint = checkpoint or Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
     if kind is None:
@@ -67,7 +78,7 @@ def build_rank(
     else:
         kind.require_runnable()
     ranks = placements(checkpoint.config, options.pp, options.pp_partition, has_drafter=kind is not None)
-    placement = ranks[rank]
+    placement = ranks[stage_rank]
     packed = options.quantized_weights == QuantizedWeights.PACKED
     stage = load_target_stage(
         checkpoint, placement.layers, placement.has_embedding, placement.has_head, dtype, device, packed
@@ -85,7 +96,8 @@ def build_rank(
         for module in (stage, drafter) if drafter is not None else (stage,):
             compile_decode(module)
     info = {
-        "rank": rank,
+        "rank": stage_rank,
+        "tp_rank": tp_rank,
         "layers": [placement.layers.start, placement.layers.stop],
         "has_embedding": placement.has_embedding,
         "has_head": placement.has_head,
@@ -128,30 +140,35 @@ def serve(
     poll: Callable[[bool], list[tuple]] | None = None,
 ) -> None:
     """Run broadcast commands until 'shutdown'. Only the first rank has `next_command` and, for continuous
-    batching, `poll` (see runtime/decode/continuous.py)."""
+    batching, `poll` (see runtime/decode/continuous.py). TP rank 0 of a stage speaks for it: the others compute
+    alike and stay silent, but for the drafter's operations, whose answers differ per shard."""
+    speaks = model.comm.tp_rank == 0
+    first, last = model.placement.is_first and speaks, model.placement.is_last and speaks
     while True:
         kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
         if kind == "shutdown":
             return
         if kind == "continuous":  # serves until shutdown
-            report = (lambda news: reply("updates", news)) if model.placement.is_last else None
+            report = (lambda news: reply("updates", news)) if last else None
             run_continuous(model, *payload, poll, report)
             return
         if kind == "generate":
-            first = model.placement.is_first
             result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
             if first:
                 reply("result", result)
         elif kind == "score":
             logits = prompt_logits(model, payload)
-            if model.placement.is_last:
+            if last:
                 reply("logits", logits)
         elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
             readings = probe_taps(model, payload)
-            if model.placement.is_last:
+            if last:
                 reply(kind, readings)
         elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
-            reply(kind, DRAFTER_OPERATIONS[kind](model, **payload))
+            operation, combine = DRAFTER_OPERATIONS[kind]
+            answers = model.comm.gather_tp(operation(model, **payload), kind)
+            if last:
+                reply(kind, combine(answers))
 
 
 def keep_freed_memory_mapped() -> None:
@@ -173,7 +190,7 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, env
     os.environ.update(environment)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.pp))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (options.pp * options.tp)))
     keep_freed_memory_mapped()
     model = None
     parent = os.getppid()
@@ -228,8 +245,11 @@ def launched_by_torchrun() -> bool:
 def run_under_torchrun(options: RuntimeOptions, request: GenerateRequest):
     """Join a group launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 returns the result."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size != options.pp:
-        raise SpecdoctorError(f"torchrun started {world_size} processes but --pp is {options.pp}")
+    if world_size != options.pp * options.tp:
+        raise SpecdoctorError(
+            f"torchrun started {world_size} processes but --tp {options.tp} x --pp {options.pp} needs "
+            f"{options.pp * options.tp}"
+        )
     model, _ = load_rank(options, rank)
     commands = iter([("generate", request), ("shutdown", None)])
     results = []

@@ -53,7 +53,7 @@ def run_drafter_rank_alone(report: CheckReport, options, checkpoint, drafter, pl
     report.stages.append(stage("before", str(runtime.drafter_policy)))
     clock.lap("before")
     if options.repair:
-        report.repair = repair_drafter(model, report.stages[0].drafter["broken"], options.runtime.tp, options.tp_rank)
+        report.repair = repair_drafter(model, report.stages[0].drafter["broken"])
         report.repair_findings = repair_findings(report.repair)
         clock.lap("repair")
         if report.repair.repaired:

@@ -36,7 +36,6 @@ class CheckOptions:
     battery: Path | None = None
     min_acceptance_length: float = DEFAULT_MIN_ACCEPTANCE_LENGTH
     max_tokens: int = 32
-    tp_rank: int = 0  # the TP rank whose vocab shard of the repair is checked (size: runtime.tp)
     memory_limit: int | None = None  # bytes the ranks may hold together; None: what the machine has
 
     def validate(self) -> None:
@@ -44,8 +43,6 @@ class CheckOptions:
             raise SpecdoctorError(
                 f"--num-speculative-tokens must be in 1..8, got {self.runtime.num_speculative_tokens}"
             )
-        if not 0 <= self.tp_rank < self.runtime.tp:
-            raise SpecdoctorError(f"--tp-rank {self.tp_rank} is outside 0..{self.runtime.tp - 1}")
         if self.max_tokens < 1:
             raise SpecdoctorError("--max-tokens must be at least 1")
 
@@ -56,9 +53,9 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
-    from specdoctor.runtime.drafter.repair import vocab_shard_range
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
+    from specdoctor.runtime.tensor_parallel import runtime_refusal
     from specdoctor.workflow.alone import run_drafter_rank_alone
 
     runtime = options.runtime
@@ -68,11 +65,13 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     runtime = dataclasses.replace(runtime, num_speculative_tokens=k)
     options = dataclasses.replace(options, runtime=runtime)
     options.validate()
-    vocab_shard_range(checkpoint.config.vocab_size, runtime.tp, options.tp_rank)  # a TP size vLLM refuses
+    refused = runtime_refusal(checkpoint, drafter, runtime)  # before any rank starts, or the memory plan
+    if refused:
+        raise SpecdoctorError(refused)
     ranks = placements(checkpoint.config, runtime.pp, runtime.pp_partition, has_drafter=drafter is not None)
     settings = {**settings_dict(runtime), **settings_dict(options)}
     findings = preflight_findings(checkpoint, ranks, drafter)
-    report = CheckReport(str(checkpoint.path), settings, [placement_row(r) for r in ranks], findings)
+    report = CheckReport(str(checkpoint.path), settings, [placement_row(r, runtime.tp) for r in ranks], findings)
     if drafter is None:
         return report  # nothing to run: the pre-flight error says why
     unrunnable = checkpoint.unrunnable_reason() or drafter.unrunnable_reason()
@@ -106,10 +105,9 @@ def run_stages(report: CheckReport, options: CheckOptions, checkpoint, prompts, 
     from specdoctor.runtime.engine import Engine
 
     clock = StageClock(report.timings)
-    # The runtime computes at TP 1; a larger --tensor-parallel-size names the vocab shard the repair checks.
-    runtime = dataclasses.replace(options.runtime, tp=1)
+    runtime = options.runtime
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
-        task = progress.add_task(f"starting {runtime.pp} pipeline rank(s)", total=4 + 3 * options.repair)
+        task = progress.add_task(f"starting {runtime.pp * runtime.tp} rank(s)", total=4 + 3 * options.repair)
         stage = StageRunner(Engine(runtime, checkpoint), options, prompts, [], progress, task)
         try:
             clock.lap("start_ranks")
@@ -129,13 +127,13 @@ def run_stages(report: CheckReport, options: CheckOptions, checkpoint, prompts, 
 def repair_and_recheck(report: CheckReport, stage: StageRunner, restart, clock: StageClock) -> None:
     """Repair what the before stage found broken and run the stage again. A drafter that crashed the
     pipeline is loaded again, as broken as before, in fresh ranks first."""
-    options = stage.options
     if not stage.engine.alive:
         stage.engine.close()
         stage.engine = restart()
         clock.lap("restart_ranks")
     stage.progress.update(stage.task, description="repair: reading the drafter's tensors from the checkpoint")
-    report.repair = stage.engine.repair_drafter(report.stages[0].drafter["broken"], options.runtime.tp, options.tp_rank)
+    before = report.stages[0].drafter
+    report.repair = stage.engine.repair_drafter(before.get("broken_by_tp_rank") or before["broken"])
     report.repair_findings = repair_findings(report.repair)
     clock.lap("repair")
     stage.progress.advance(stage.task)
@@ -183,9 +181,11 @@ def settings_dict(options) -> dict:
     }
 
 
-def placement_row(placement) -> dict:
+def placement_row(placement, tp: int = 1) -> dict:
+    """A pipeline stage's row of the placement table; `ranks`: its global ranks (TP ranks inner)."""
     return {
         "rank": placement.rank,
+        "ranks": [placement.rank * tp + tp_rank for tp_rank in range(tp)],
         "layers": [placement.layers.start, placement.layers.stop],
         "has_embedding": placement.has_embedding,
         "has_head": placement.has_head,

@@ -19,7 +19,7 @@ class DrafterExam:
     """What the loaded-drafter stage found on a live engine."""
 
     findings: list[Finding]
-    broken: list[str]  # drafter tensors a checkpoint read can refill
+    broken: dict[int, list[str]]  # by TP rank: drafter tensors a checkpoint read can refill
     record: dict  # the report's view: tensors, provenance, broken (and taps, for a drafter that reads them)
 
 
@@ -42,7 +42,10 @@ def exam_of(state, stage: str) -> DrafterExam:
     from specdoctor.checks.drafter import drafter_findings
 
     findings, broken = drafter_findings(state, stage)
-    return DrafterExam(findings, broken, {"tensors": state.tensors, "provenance": state.provenance, "broken": broken})
+    record = {"tensors": state.tensors, "provenance": state.provenance, "broken": sorted(set().union(*broken.values()))}
+    if state.tp_ranks:  # which TP rank's shard is broken
+        record["broken_by_tp_rank"] = {rank: names for rank, names in broken.items() if names}
+    return DrafterExam(findings, broken, record)
 
 
 def preflight_findings(checkpoint, ranks, drafter) -> list[Finding]:
@@ -62,7 +65,7 @@ def startup_check(engine, repair: bool, tap_prompt: list[int], console: Console)
     if engine.options.num_speculative_tokens == 0 or not engine.speculates:
         return errors
     exam = examine_drafter(engine, "startup", tap_prompt)
-    if exam.broken and repair:
+    if any(exam.broken.values()) and repair:
         result = engine.repair_drafter(exam.broken)
         console.print(f"repaired {', '.join(result.repaired)} from the checkpoint ({result.bytes_read:,} bytes)")
         exam = examine_drafter(engine, "startup", tap_prompt)
@@ -85,8 +88,7 @@ def repair_findings(repair) -> list[Finding]:
     findings = [
         Finding("repair", "info", f"filled {name} from {key}", stage="repair") for name, key in repair.repaired.items()
     ]
-    shard = repair.tp_shard
-    if shard:
+    for shard in (result.tp_shard for result in repair.tp_ranks if result.tp_shard):
         verdict = "matches the table, padding zero" if shard.ok else "WRONG rows or padding"
         findings.append(
             Finding(

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from specdoctor.errors import CheckpointError
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.files import TORCH_DTYPES
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.tensor_parallel import TensorParallel
 
 DECODER_LAYERS = "model.layers."  # the target's decoder layers: where quantised linears live
 
@@ -28,14 +30,20 @@ class LoadResult:
     missing: dict[str, str] = field(default_factory=dict)  # parameter name -> checkpoint key not found
 
 
-def load_module(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[str], str | None]) -> LoadResult:
+def load_module(
+    module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[str], str | None], tp: TensorParallel | None = None
+) -> LoadResult:
     """Copy each parameter/persistent buffer from the checkpoint key `key_for(name)`; None skips it. The parts
-    of a packed linear are read as stored, any other quantised weight dequantised."""
+    of a packed linear are read as stored, any other quantised weight dequantised. Under tensor parallelism a
+    parameter smaller than its tensor gets this rank's slice of it (`tp`: another rank's, as a faulty engine
+    computes it), and only that slice is read."""
     result = LoadResult()
+    tp = tp or tensor_parallel.current()
     packed_parts = {
         f"{owner}.{part}" for owner, linear in module.named_modules() if isinstance(linear, PackedLinear)
         for part in linear._buffers
     }  # fmt: skip
+    vocab = {f"{owner}.weight" for owner, part in module.named_modules() if tensor_parallel.is_vocab_parallel(part)}
     for name, target in module.state_dict(keep_vars=True).items():
         key = key_for(name)
         if key is None:
@@ -45,20 +53,41 @@ def load_module(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[st
         if info is None:
             result.missing[name] = key
             continue
-        if tuple(info.shape) != tuple(target.shape):
+        shard = tensor_parallel.shard_range(tuple(info.shape), tuple(target.shape), name in vocab, tp)
+        if tuple(info.shape) != tuple(target.shape) and shard is None:
             raise CheckpointError(
                 f"{checkpoint.path}: tensor {key!r} has shape {tuple(info.shape)}, the model expects "
                 f"{tuple(target.shape)}"
             )
-        read = checkpoint.read_stored if stored else checkpoint.read
         with torch.no_grad():
             if target.is_meta:  # allocated lazily: the tensor gets its storage now, a map of its shard where it can
-                mapped = checkpoint.mapped(key, target.dtype, stored) if checkpoint.map_weights else None
-                replace_tensor(module, name, read(key).to(target.dtype) if mapped is None else mapped)
+                mapped = checkpoint.mapped(key, target.dtype, stored) if checkpoint.map_weights and not shard else None
+                if mapped is None:
+                    mapped = torch.empty_like(target, device="cpu")
+                    read_slice(checkpoint, key, shard, mapped, stored)
+                replace_tensor(module, name, mapped)
             else:
-                read(key, out=target)
+                read_slice(checkpoint, key, shard, target, stored)
         result.filled.add(name)
     return result
+
+
+def read_slice(
+    checkpoint: Checkpoint, key: str, shard: tuple[int, int, int] | None, target: torch.Tensor, stored: bool
+) -> None:
+    """Read tensor `key` (as stored: a packed weight's part), or its (dim, start, end) slice, into `target`: rows
+    straight into it, columns through a map of the file (only the pages holding them are read); rows of
+    `target` past the slice are a vocabulary's padding, zero."""
+    read = checkpoint.read_stored if stored else checkpoint.read
+    if shard is None:
+        read(key, out=target)
+        return
+    dim, start, end = shard
+    if dim == 0:
+        target[end - start :].zero_()
+        read(key, rows=(start, end), out=target[: end - start])
+    else:
+        target.copy_(checkpoint.read_columns(key, start, end, stored))
 
 
 def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[str], str | None]) -> None:

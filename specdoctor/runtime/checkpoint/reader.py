@@ -171,6 +171,19 @@ class Checkpoint:
             return None
         return map_bytes(self.path / info.shard, info.offset, info.nbytes).view(dtype).reshape(info.shape)
 
+    def read_columns(self, key: str, start: int, end: int, stored: bool = False) -> torch.Tensor:
+        """Columns [start, end) of a matrix (a row-parallel rank's slice): from a map of the shard where the bytes
+        need no conversion, so only the pages holding them are read; else the whole tensor, then the slice."""
+        info = self.stored.get(key)
+        dtype = TORCH_DTYPES.get(info.dtype) if info is not None else None
+        mapped = self.mapped(key, dtype, stored) if dtype is not None else None
+        if mapped is None:
+            return (self.read_stored(key) if stored else self.read(key))[:, start:end]
+        columns = mapped[:, start:end]
+        self.keys_read.append(key)
+        self.bytes_read += columns.numel() * columns.element_size()
+        return columns
+
     def read_stored(self, key: str, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
         """`read` of the bytes as the shard holds them: a quantised weight's parts, never dequantised."""
         info = self.stored.get(key)

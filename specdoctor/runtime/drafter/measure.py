@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdoctor import kernels
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import has_real_weight
 
@@ -36,6 +37,17 @@ class DrafterState:
     unfilled: list[str]  # tensors neither loaded nor aliased to a real tensor
     tensors: dict[str, dict] = field(default_factory=dict)  # statistics per materialised tensor
     placeholders: dict[str, Placeholder] = field(default_factory=dict)
+    tp_rank: int = 0  # whose shard this is
+    tp_ranks: list[DrafterState] = field(default_factory=list)  # under TP > 1: every TP rank's own state
+
+
+def combine_states(states: list[DrafterState]) -> DrafterState:
+    """One state for the drafter's stage: TP rank 0's, with every rank's own (each shard measured on its rank)."""
+    if len(states) == 1:
+        return states[0]
+    first = states[0]
+    unfilled = sorted({name for state in states for name in state.unfilled})
+    return DrafterState(first.provenance, unfilled, first.tensors, first.placeholders, 0, states)
 
 
 def tensor_stats(tensor: torch.Tensor) -> dict:
@@ -87,25 +99,35 @@ def chunked_stats(tensor: torch.Tensor) -> dict[str, float]:
     return total
 
 
-def fingerprint_mismatch(checkpoint: Checkpoint, key: str, loaded: torch.Tensor) -> tuple[int, int]:
+def fingerprint_mismatch(
+    checkpoint: Checkpoint, key: str, loaded: torch.Tensor, shard: tuple[int, int, int] | None = None
+) -> tuple[int, int]:
     """(mismatching, compared) rows between the loaded tensor and rows read from the checkpoint (the caller
-    compares shapes first)."""
+    compares shapes first). `shard`: the (dim, start, end) of the checkpoint tensor a TP rank's slice holds
+    (tensor_parallel.shard_range); a vocabulary slice's rows past `end` are padding, expected zero."""
+    dim, start, end = shard or (0, 0, checkpoint.tensors[key].shape[0])
     if loaded.dim() == 1:
-        expected = checkpoint.read(key).to(loaded.dtype)
+        expected = checkpoint.read(key)[start:end].to(loaded.dtype)
         return int(not torch.equal(loaded.detach().cpu(), expected)), 1
     count = loaded.shape[0]
     rows = sorted({int(r) for r in torch.linspace(0, count - 1, min(SAMPLED_ROWS, count))})
     mismatches = 0
     for row in rows:
-        expected = checkpoint.read(key, rows=(row, row + 1)).to(loaded.dtype)
-        mismatches += int(not torch.equal(loaded[row : row + 1].detach().cpu(), expected))
+        if dim == 1:
+            expected = checkpoint.read(key, rows=(row, row + 1))[:, start:end]
+        elif start + row < end:
+            expected = checkpoint.read(key, rows=(start + row, start + row + 1))
+        else:
+            expected = torch.zeros(1, *loaded.shape[1:])  # padding
+        mismatches += int(not torch.equal(loaded[row : row + 1].detach().cpu(), expected.to(loaded.dtype)))
     return mismatches, len(rows)
 
 
 def measure_drafter(model) -> DrafterState:
     """Measure the live drafter of a RankModel on the last rank: every tensor against the checkpoint."""
     device = model.device
-    state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled())
+    tp = tensor_parallel.current()
+    state = DrafterState(dict(model.provenance.sources), model.provenance.unfilled(), tp_rank=tp.rank)
     kind = model.kind
     for name in kind.tensor_names():
         module_name, _, leaf = name.rpartition(".")  # a tensor of the drafter itself (EAGLE-3's d2t) has no module
@@ -123,9 +145,13 @@ def measure_drafter(model) -> DrafterState:
             checkpoint, key = source
             stats["checkpoint_key"] = key
             expected = tuple(checkpoint.tensors[key].shape)
-            if tuple(tensor.shape) != expected:  # another tensor in its place (a head of another vocabulary)
+            shard = tensor_parallel.shard_range(
+                expected, tuple(tensor.shape), tensor_parallel.is_vocab_parallel(module), tp
+            )
+            if tuple(tensor.shape) != expected and shard is None:  # another tensor in its place (another vocabulary)
                 stats["shape"], stats["checkpoint_shape"] = list(tensor.shape), list(expected)
             else:
-                stats["mismatched_rows"], stats["compared_rows"] = fingerprint_mismatch(checkpoint, key, tensor)
+                mismatch = fingerprint_mismatch(checkpoint, key, tensor, shard)
+                stats["mismatched_rows"], stats["compared_rows"] = mismatch
         state.tensors[name] = stats
     return state

@@ -35,13 +35,15 @@ What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.loader import load_module, materialize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import EmbeddingPolicy, Fill, HeadPolicy, RuntimeOptions
 
@@ -84,11 +86,14 @@ class Placer:
 
     def __init__(self, drafter: nn.Module, stage: TargetStage, options: RuntimeOptions, provenance: Provenance, device):
         self.drafter, self.stage, self.options, self.provenance = drafter, stage, options, provenance
-        self.device = device
+        self.device, self.faults = device, Faults.parse(options.fault)
 
     def load(self, module: str, source: Source) -> None:
         checkpoint, key = source
-        load_module(self.drafter.get_submodule(module), checkpoint, lambda _name: key)
+        tp = tensor_parallel.current()
+        if module == "embed_tokens" and self.faults.vocab_shard_shifted and tp.rank == tp.size - 1 > 0:
+            tp = replace(tp, rank=tp.rank - 1)  # the fault: the previous rank's range
+        load_module(self.drafter.get_submodule(module), checkpoint, lambda _name: key, tp)
         self.provenance.sources[f"{module}.weight"] = f"checkpoint:{key}"
 
     def alias(self, module: str, target_module: nn.Module, label: str) -> None:
@@ -107,7 +112,9 @@ class Placer:
         """The drafter's `embed_tokens`: its `own` copy where shipped, else the target's (`target` in its
         checkpoint, or the stage's module). `own_copy_first`: engines load a shipped copy before any sharing."""
         policy, target_module = self.options.drafter_policy, self.stage.model.embed_tokens
-        if own and own_copy_first:
+        if self.faults.per_rank_sharing and tensor_parallel.current().rank > 0:
+            self.leave_unloaded("embed_tokens", self.stage.lm_head)  # the fault: only TP rank 0 shares
+        elif own and own_copy_first:
             self.load("embed_tokens", own)
         elif policy == EmbeddingPolicy.ALIAS_PLACEHOLDER or (
             policy == EmbeddingPolicy.ENGINE_LEGACY and self.options.pp == 1

@@ -11,6 +11,7 @@ from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import FusedWeights, RMSNorm, concat_weights
 from specdoctor.runtime.models.packed import any_packed
 from specdoctor.runtime.models.rope import apply_rotary
+from specdoctor.runtime.tensor_parallel import row_parallel
 
 
 class Attention(FusedWeights):
@@ -70,7 +71,7 @@ class Attention(FusedWeights):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return row_parallel(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 def attention_span(cache: KVCache | None, layer_id: int, positions: torch.Tensor, *entries: torch.Tensor):

@@ -11,6 +11,7 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import MLP, RMSNorm
 from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.tensor_parallel import ParallelLMHead
 
 
 class SharedHead(nn.Module):
@@ -19,7 +20,7 @@ class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
 
 class DecoderBlock(nn.Module):

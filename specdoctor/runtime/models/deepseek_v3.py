@@ -33,6 +33,7 @@ from specdoctor.runtime.models.blocks import DecoderBlock, DeepseekMtpLayer
 from specdoctor.runtime.models.dsa import DsaIndexer
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.rope import apply_rotary_interleaved, yarn_mscale
+from specdoctor.runtime.tensor_parallel import row_parallel
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # The rotary layout of each DSA architecture's indexer when the config does not name it with
@@ -218,7 +219,7 @@ class MlaAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scaling
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return row_parallel(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class DecoderLayer(DecoderBlock):

@@ -8,6 +8,7 @@ from torch import nn
 
 from specdoctor.kernels.reference import rms_norm
 from specdoctor.runtime.models.packed import any_packed
+from specdoctor.runtime.tensor_parallel import row_parallel
 
 
 class PPMissingLayer(nn.Identity):
@@ -66,8 +67,12 @@ class FusedWeights(nn.Module):
 
 
 class MLP(FusedWeights):
-    def __init__(self, hidden: int, intermediate: int):
+    """gate/up column-parallel, down row-parallel; `reduce=False`: its caller sums the TP ranks (an MoE block
+    reduces its experts and shared experts once, as vLLM's does)."""
+
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True):
         super().__init__()
+        self.reduce = reduce
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -82,4 +87,4 @@ class MLP(FusedWeights):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = F.linear(x, self.joined(self.gate_up, [self.gate_proj.weight, self.up_proj.weight])).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.reduce)

@@ -10,6 +10,7 @@ from torch import nn
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import MLP, FusedWeights, concat_weights
 from specdoctor.runtime.models.packed import any_packed
+from specdoctor.runtime.tensor_parallel import all_reduce
 
 
 class Router(nn.Module):
@@ -56,9 +57,11 @@ class MoE(FusedWeights):
         self.gate = self.router(config)
         self.top_k = config.num_experts_per_tok
         size = config.moe_intermediate_size
-        self.experts = nn.ModuleList(MLP(config.hidden_size, size) for _ in range(config.n_routed_experts))
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, size, reduce=False) for _ in range(config.n_routed_experts)
+        )
         if config.n_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, size * config.n_shared_experts)
+            self.shared_experts = MLP(config.hidden_size, size * config.n_shared_experts, reduce=False)
         self.fuse()
 
     def fuse(self) -> None:
@@ -94,7 +97,7 @@ class MoE(FusedWeights):
             out = self.every_expert(flat, weights, expert_ids)
         else:
             out = self.looped_experts(flat, weights, expert_ids)
-        return (out + self.shared(flat)).view_as(x)
+        return all_reduce(out + self.shared(flat)).view_as(x)  # each TP rank summed its experts' slices
 
     def shared(self, flat: torch.Tensor) -> torch.Tensor | float:  # [N, H] -> what the shared experts add
         return self.shared_experts(flat) if hasattr(self, "shared_experts") else 0.0

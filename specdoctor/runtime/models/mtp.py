@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
+from specdoctor.runtime.tensor_parallel import VocabParallelEmbedding, local_config
 
 
 def draft_chain(step, next_tokens, hidden, positions, base, cache: KVCache, k: int):
@@ -31,8 +33,8 @@ def draft_chain(step, next_tokens, hidden, positions, base, cache: KVCache, k: i
 class MtpDrafter(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        config = self.config = local_config(config, tensor_parallel.current().size)  # this TP rank's slice
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         layer = family_of(config).mtp_layer
         self.layers = nn.ModuleDict({str(i): layer(config, i) for i in config.mtp_layer_ids})
 

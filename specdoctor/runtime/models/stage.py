@@ -6,26 +6,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import PPMissingLayer
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
+from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, local_config
 
 
 class TargetStage(nn.Module):
     def __init__(self, config: ModelConfig, layers: range, has_embedding: bool, has_head: bool):
         super().__init__()
-        self.config = config
+        config = self.config = local_config(config, tensor_parallel.current().size)  # this TP rank's slice
         self.layer_ids = list(layers)
         hidden = config.hidden_size
         # Parameter names equal the checkpoint keys: model.embed_tokens, model.layers.{i}, model.norm, lm_head.
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, hidden) if has_embedding else PPMissingLayer()
+        self.model.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, hidden) if has_embedding else PPMissingLayer()
+        )
         family = family_of(config)
         self.model.layers = nn.ModuleDict({str(i): family.decoder_layer(config, i) for i in self.layer_ids})
         self.model.norm = family.norm(hidden, config.rms_norm_eps) if has_head else PPMissingLayer()
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if has_head else PPMissingLayer()
+        self.lm_head = ParallelLMHead(hidden, config.vocab_size) if has_head else PPMissingLayer()
         # Residual-stream entries a block drafter reads that this stage captures (runtime/drafter/taps.py): entry j is
         # the state entering layer j, taken after layer j - 1 runs (entry 0, the embedding output, on the first).
         self.tap_entries: tuple[int, ...] = ()

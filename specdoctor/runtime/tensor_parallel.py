@@ -1,0 +1,207 @@
+"""Tensor parallelism as vLLM 0.32 shards a model (docs/tensor-parallel.md): each rank of a pipeline stage holds
+its slice of every column-parallel projection (q/k/v, gate/up, MLA's q_b/kv_b, every expert's gate/up), of the
+row-parallel ones (o_proj, down_proj, summed by an all-reduce) and of the vocabulary (embedding and heads padded
+to a multiple of 64, then split); norms, routers and MLA's latent projections are replicated.
+
+A rank process holds one group (`current()`, set once by its PipelineComm); modules size themselves from it when
+built and reduce through it when run, as vLLM's layers read its parallel state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from specdoctor.errors import SpecdoctorError
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object = None  # the torch.distributed group of this rank's stage; None at size 1
+
+
+_current = TensorParallel()
+
+
+def current() -> TensorParallel:
+    return _current
+
+
+def use(tensor_parallel: TensorParallel) -> None:
+    """This process's group from now on (a rank process sets it once, before building its modules)."""
+    global _current
+    _current = tensor_parallel
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of every TP rank's `x` (in place), in the model's dtype as vLLM reduces it."""
+    tp = _current
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every TP rank's `x` joined along `dim`, in rank order."""
+    tp = _current
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """Rows [start, end) of the padded vocabulary that a tensor-parallel rank holds (vLLM's
+    `vocab_range_from_global_vocab_size` over `pad_vocab_size`); at TP 1 the vocabulary itself, unpadded."""
+    if tp_size == 1:
+        return 0, vocab_size
+    padded = padded_vocab(vocab_size)
+    if padded % tp_size:
+        raise SpecdoctorError(
+            f"a vocabulary of {vocab_size} rows ({padded} padded to a multiple of {VOCAB_PADDING}) does not split "
+            f"over {tp_size} tensor-parallel ranks (vLLM: '{padded} is not divisible by {tp_size}')"
+        )
+    per_rank = padded // tp_size
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """vLLM's VocabParallelEmbedding: this rank's rows of the padded vocabulary; an id outside them looks up
+    zeros, and the all-reduce adds the one rank that holds it. At TP 1 a plain embedding."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        tp = _current
+        start, end = vocab_shard_range(vocab_size, tp.size, tp.rank)
+        super().__init__(end - start, hidden)
+        self.vocab_size, self.vocab_start = vocab_size, start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if _current.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        found = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(found.masked_fill(outside[..., None], 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """vLLM's ParallelLMHead: this rank's rows of the padded vocabulary; the logits of every rank gathered, the
+    padding cut off. At TP 1 a plain linear."""
+
+    def __init__(self, hidden: int, vocab_size: int):
+        tp = _current
+        start, end = vocab_shard_range(vocab_size, tp.size, tp.rank)
+        super().__init__(hidden, end - start, bias=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _current.size == 1:
+            return super().forward(x)
+        return all_gather(super().forward(x))[..., : self.vocab_size]
+
+
+def is_vocab_parallel(module: nn.Module) -> bool:
+    return isinstance(module, VocabParallelEmbedding | ParallelLMHead)
+
+
+def row_parallel(linear: nn.Module, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    """A row-parallel projection (o_proj, down_proj): this rank's input columns, summed over the ranks; the bias
+    once, on rank 0, as vLLM's RowParallelLinear adds it. `reduce=False`: the caller sums (an MoE block)."""
+    tp = _current
+    if tp.size == 1:
+        return linear(x)
+    bias = linear.bias if tp.rank == 0 else None
+    out = F.linear(x, linear.weight, bias)
+    return all_reduce(out) if reduce else out
+
+
+def local_config(config, size: int):
+    """The config of one rank's slice: attention heads, KV heads (one each where fewer than ranks: replicated),
+    and the dense and expert intermediate sizes divided by `size` (a config refused by `refusal` is not split)."""
+    if size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=max(1, config.num_key_value_heads // size),
+        intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
+    )
+
+
+def refusal(config, size: int) -> str | None:
+    """Why vLLM 0.32 refuses this model at TP `size` (its own rule quoted), or None."""
+    if size == 1:
+        return None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size:
+        return (
+            f"Total number of attention heads ({heads}) must be divisible by tensor parallel size ({size}) "
+            "(vLLM's rule)"
+        )
+    if kv_heads % size if kv_heads >= size else size % kv_heads:
+        return f"{kv_heads} KV heads neither divide over nor replicate evenly across {size} ranks (vLLM's rule)"
+    sizes = {"intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size}
+    for name, value in sizes.items():
+        if value % size:
+            return f"{name} {value} is not divisible by {size} (vLLM's rule for its column-parallel projections)"
+    try:
+        vocab_shard_range(config.vocab_size, size, 0)
+    except SpecdoctorError as err:
+        return str(err)
+    return None
+
+
+def runtime_refusal(checkpoint, drafter, options) -> str | None:
+    """Why the runtime will not run this pair at `options.tp` > 1: vLLM's own rules (`refusal`), then what
+    specdoctor does not shard yet (refused, never approximated), then more ranks than devices."""
+    size, config = options.tp, checkpoint.config
+    if size == 1:
+        return None
+    reason = refusal(config, size)
+    if reason is None and any(map(config.is_linear_attention, range(config.num_hidden_layers))):
+        reason = "the runtime does not shard linear-attention (Gated DeltaNet) layers yet"
+    if reason is None and drafter is not None and drafter.name != "mtp":
+        reason = f"the runtime shards MTP drafters only, not {drafter.label}, yet"
+    if reason is None and checkpoint.quantization and options.quantized_weights.value == "packed":
+        reason = "the runtime does not shard packed quantised weights yet (--quantized-weights dequantized does)"
+    ranks = size * options.pp
+    if reason is None and options.device.value == "cuda" and ranks > torch.cuda.device_count():
+        reason = f"{ranks} ranks need {ranks} CUDA devices, this machine has {torch.cuda.device_count()}"
+    return f"--tensor-parallel-size {size}: {reason}" if reason else None
+
+
+def shard_range(full: tuple[int, ...], local: tuple[int, ...], vocab: bool, tp: TensorParallel):
+    """(dim, start, end) of the checkpoint tensor of shape `full` that this rank's parameter of shape `local`
+    holds, or None when it holds all of it. A vocabulary's rows may end before the shard does (the padding);
+    a slice narrower than its share of `full` is a replicated KV head (ranks r*n/N..: the same head)."""
+    if tuple(full) == tuple(local):
+        return None
+    if vocab:
+        start, end = vocab_shard_range(full[0], tp.size, tp.rank)
+        return 0, min(start, full[0]), min(end, full[0])
+    differing = [dim for dim, (a, b) in enumerate(zip(full, local, strict=True)) if a != b]
+    if len(full) != len(local) or len(differing) != 1:
+        return None
+    dim = differing[0]
+    whole, part = full[dim], local[dim]
+    if part * tp.size == whole:
+        return dim, tp.rank * part, (tp.rank + 1) * part
+    if (part * tp.size) % whole == 0 and whole % part == 0:  # replicated: size / (whole / part) ranks per slice
+        block = tp.rank // (part * tp.size // whole)
+        return dim, block * part, (block + 1) * part
+    return None
