@@ -60,15 +60,19 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def held_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
+    """The vocabulary rows a rank's module holds: its padded shard, or at TP 1 the vocabulary unpadded (the padding
+    is all zero logits, which sampling would have to cut again)."""
+    return (0, vocab_size) if tp.size == 1 else vocab_shard_range(vocab_size, tp.size, tp.rank)
+
+
 def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
 
 
 def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """Rows [start, end) of the padded vocabulary that a tensor-parallel rank holds (vLLM's
-    `vocab_range_from_global_vocab_size` over `pad_vocab_size`); at TP 1 the vocabulary itself, unpadded."""
-    if tp_size == 1:
-        return 0, vocab_size
+    `vocab_range_from_global_vocab_size` over `pad_vocab_size`)."""
     padded = padded_vocab(vocab_size)
     if padded % tp_size:
         raise SpecdoctorError(
@@ -84,8 +88,7 @@ class VocabParallelEmbedding(nn.Embedding):
     zeros, and the all-reduce adds the one rank that holds it. At TP 1 a plain embedding."""
 
     def __init__(self, vocab_size: int, hidden: int):
-        tp = _current
-        start, end = vocab_shard_range(vocab_size, tp.size, tp.rank)
+        start, end = held_rows(vocab_size, _current)
         super().__init__(end - start, hidden)
         self.vocab_size, self.vocab_start = vocab_size, start
 
@@ -103,8 +106,7 @@ class ParallelLMHead(nn.Linear):
     padding cut off. At TP 1 a plain linear."""
 
     def __init__(self, hidden: int, vocab_size: int):
-        tp = _current
-        start, end = vocab_shard_range(vocab_size, tp.size, tp.rank)
+        start, end = held_rows(vocab_size, _current)
         super().__init__(hidden, end - start, bias=False)
         self.vocab_size = vocab_size
 

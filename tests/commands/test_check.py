@@ -3,6 +3,7 @@ passing battery), healthy configurations, and the CLI contract (exit codes, JSON
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -11,10 +12,12 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from specdoctor.runtime.checkpoint.files import DEMO_DIR, DEMO_MODELS
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.tensor_parallel import TensorParallel
 from specdoctor.workflow.check import CheckOptions, run_check
 from tests.commands.test_cli import rename_key
 from tests.conftest import make_hf_checkpoint
@@ -22,6 +25,7 @@ from tests.helpers.browser import images_loaded
 from tests.quant.fp8_checkpoint import write_fp8_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+EMBED_KEY = "model.embed_tokens.weight"
 
 
 def check_options(
@@ -259,13 +263,45 @@ def test_repair_never_writes_to_the_checkpoint(tmp_path):
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in path.iterdir()} == before
 
 
-def test_tp_shard_of_the_repair_is_checked():
-    report = run_check(check_options("demo", 2, None, 1, tp=4, repair=True, tp_rank=3), show_progress=False)
-    shard = report.repair.tp_shard
-    # 2048 rows (already a multiple of 64) split 512 per rank.
-    assert shard.rows == [1536, 2048] and shard.real_rows == 512 and shard.padded_rows == 0
-    assert shard.matches_table and shard.padding_zero
-    assert any(f.check == "repair.tp_shard" and f.severity == "info" for f in report.repair_findings)
+def test_check_at_tp_2_pp_2_finds_both_shards_unloaded_and_the_repair_reads_each_ranks_rows():
+    """The seed's failure at TP > 1 (vllm#46994, TP 4 x PP 2): the drafter's stage leaves its embedding unloaded
+    on every TP rank. Four rank processes; each TP rank of the drafter's stage measures and repairs its own
+    slice of the vocabulary (2,048 rows, a multiple of 64: 1,024 per rank, no padding)."""
+    report = run_check(check_options("demo", 2, None, 3, tp=2, repair=True), show_progress=False)
+    before, after = report.stages
+    assert before.drafter["broken_by_tp_rank"] == {0: ["embed_tokens.weight"], 1: ["embed_tokens.weight"]}
+    assert {f.data.get("tp_rank") for f in before.findings if f.check == "drafter.provenance"} == {0, 1}
+    assert [f.severity for f in report.preflight if f.check == "placement.drafter_embedding"] == ["warning"]
+    assert [row["ranks"] for row in report.placement] == [[0, 1], [2, 3]]
+    shards = [result.tp_shard for result in report.repair.tp_ranks]
+    assert [(s.tp_rank, s.rows, s.real_rows, s.padded_rows, s.ok) for s in shards] == [
+        (0, [0, 1024], 1024, 0, True),
+        (1, [1024, 2048], 1024, 0, True),
+    ]
+    # Each rank read its own 1,024 rows of the bf16 table (192 wide), and read them again to check them.
+    assert report.repair.bytes_read == 2 * 2 * 1024 * 192 * 2
+    assert before.behaviour["battery"] == after.behaviour["battery"] == "9/9"
+    lengths = [stage.behaviour["metrics"]["mean_acceptance_length"] for stage in (before, after)]
+    assert lengths[0] < 1.2 < 2.0 < lengths[1]
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("fault", ["per-rank-sharing", "vocab-shard-shifted"])
+def test_a_tp_fault_of_one_rank_is_found_on_that_rank_and_repaired_there_alone(fault):
+    """vllm#50158: each TP rank decides alone whether to share the embedding (rank 0 does, rank 1 leaves its slice
+    as allocated); or the last rank reads its slice at the previous rank's range. Either way the findings name TP
+    rank 1 alone, and only rank 1 reads its rows again."""
+    options = check_options("demo", 2, None, 3, policy="fixed", tp=2, repair=True)
+    options = dataclasses.replace(options, runtime=dataclasses.replace(options.runtime, fault=fault))
+    report = run_check(options, show_progress=False)
+    before, after = report.stages
+    assert before.drafter["broken_by_tp_rank"] == {1: ["embed_tokens.weight"]}
+    errors = [f for f in before.findings if f.severity == "error" and f.check.startswith("drafter.")]
+    assert errors and all(f.data["tp_rank"] == 1 and f.message.startswith("TP rank 1/2: ") for f in errors)
+    assert [result.repaired for result in report.repair.tp_ranks] == [{}, {"embed_tokens.weight": EMBED_KEY}]
+    assert report.repair.bytes_read == 2 * 1024 * 192 * 2  # rank 1's rows, read and read again to check them
+    assert after.drafter["broken"] == [] and after.behaviour["battery"] == "9/9"
+    assert report.exit_code == 0
 
 
 def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path):
@@ -280,12 +316,13 @@ def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path)
     make_hf_checkpoint(tmp_path, seed=41, vocab_size=300)
     checkpoint, key = Checkpoint(tmp_path), "model.embed_tokens.weight"
     table = checkpoint.read(key).float()
-    shard = check_vocab_shard(checkpoint, key, table, 4, 3)
+    last = torch.cat([table[240:], torch.zeros(20, table.shape[1])])  # TP 4 rank 3's slice, as loaded
+    shard = check_vocab_shard(checkpoint, key, last, TensorParallel(3, 4))
     assert (shard.rows, shard.real_rows, shard.padded_rows) == ([240, 320], 60, 20)
     assert shard.ok
-    assert not check_vocab_shard(checkpoint, key, table.roll(1, dims=0), 4, 3).matches_table
+    assert not check_vocab_shard(checkpoint, key, last.roll(1, dims=0), TensorParallel(3, 4)).matches_table
     with pytest.raises(SpecdoctorError, match="does not split over 3 tensor-parallel ranks"):
-        check_vocab_shard(checkpoint, key, table, 3, 0)
+        check_vocab_shard(checkpoint, key, table, TensorParallel(0, 3))
 
 
 @pytest.mark.parametrize(
@@ -295,8 +332,8 @@ def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path)
         (("--num-speculative-tokens", "0"), "must be in 1..8"),
         (("--drafter-policy", "bogus"), "Invalid value for '--drafter-policy'"),
         (("--battery", "/nonexistent/battery.jsonl"), "cannot read battery"),
-        (("--tp", "2", "--tp-rank", "2"), "outside 0..1"),
-        (("--tensor-parallel-size", "3", "--repair"), "does not split over 3 tensor-parallel ranks"),
+        (("--tensor-parallel-size", "3", "--repair"), "--tensor-parallel-size 3: 2 KV heads neither divide over"),
+        (("--tp", "2", "--speculative-method", "mtp", "--model", "demo-hybrid"), "does not shard linear-attention"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):

@@ -58,7 +58,7 @@ def test_vllm_spellings_run_the_same_engine_as_the_short_flags():
             ("--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens":2}'),
             "contradicts --speculative-config",
         ),
-        (("--tensor-parallel-size", "2"), "the runtime runs tensor-parallel size 1"),
+        (("--tensor-parallel-size", "3"), "--tensor-parallel-size 3: 2 KV heads neither divide over nor replicate"),
         (("--pipeline-parallel-size", "0"), "--pp must be at least 1"),
         (("--num-speculative-tokens", "9"), "must be in 0..8"),
         (("--dtype", "float64"), "Invalid value for '--dtype'"),

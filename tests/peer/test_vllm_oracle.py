@@ -18,11 +18,11 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
-from specdoctor.runtime.drafter.repair import vocab_shard_range
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import layer_ranges, placements
+from specdoctor.runtime.tensor_parallel import vocab_shard_range
 from tests.helpers.checkpoints import zeroed_enorm_copy
 from tests.helpers.servers import SpecdoctorServer, free_port
 from tests.peer.conftest import K, start_or_fail

@@ -43,7 +43,9 @@ def load_module(
         f"{owner}.{part}" for owner, linear in module.named_modules() if isinstance(linear, PackedLinear)
         for part in linear._buffers
     }  # fmt: skip
-    vocab = {f"{owner}.weight" for owner, part in module.named_modules() if tensor_parallel.is_vocab_parallel(part)}
+    vocab = {
+        f"{owner}.weight".lstrip(".") for owner, part in module.named_modules() if tensor_parallel.is_vocab_parallel(part)
+    }
     for name, target in module.state_dict(keep_vars=True).items():
         key = key_for(name)
         if key is None:

@@ -17,7 +17,12 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.loader import allocate, load_module
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import EMBEDDING
-from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, vocab_shard_range
+from specdoctor.runtime.tensor_parallel import (
+    ParallelLMHead,
+    TensorParallel,
+    VocabParallelEmbedding,
+    vocab_shard_range,
+)
 
 
 @dataclass
@@ -57,10 +62,9 @@ def read_vocab_shard(checkpoint: Checkpoint, key: str, tp_size: int, tp_rank: in
     return shard
 
 
-def check_vocab_shard(checkpoint: Checkpoint, key: str, local: torch.Tensor) -> TpShardCheck:
-    """Does this TP rank's repaired slice of the vocabulary hold the checkpoint's rows for the rank, and are its
-    padded rows zero, as an engine's VocabParallelEmbedding loads them?"""
-    tp = tensor_parallel.current()
+def check_vocab_shard(checkpoint: Checkpoint, key: str, local: torch.Tensor, tp: TensorParallel) -> TpShardCheck:
+    """Does TP rank `tp.rank`'s repaired slice of the vocabulary hold the checkpoint's rows for the rank, and are
+    its padded rows zero, as an engine's VocabParallelEmbedding loads them?"""
     start, end = vocab_shard_range(checkpoint.tensors[key].shape[0], tp.size, tp.rank)
     shard = read_vocab_shard(checkpoint, key, tp.size, tp.rank)  # the rank's rows, padding zeroed
     real = max(0, min(end, checkpoint.tensors[key].shape[0]) - start)
@@ -101,7 +105,7 @@ def repair_drafter(model, names: list[str] | dict[int, list[str]]) -> RepairResu
             drafter.get_submodule(owner), checkpoint, lambda part, leaf=leaf, key=key: key if part == leaf else None
         )
         if name == EMBEDDING and tp.size > 1:
-            result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight)
+            result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight, tp)
         model.provenance.sources[name] = f"checkpoint:{key}"
         result.repaired[name] = key
     result.bytes_read = sum(c.bytes_read for c in checkpoints) - before

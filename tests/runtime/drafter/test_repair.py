@@ -16,10 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.repair import check_vocab_shard, read_vocab_shard, repair_drafter, vocab_shard_range
+from specdoctor.runtime.drafter.repair import check_vocab_shard, read_vocab_shard, repair_drafter
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.tensor_parallel import TensorParallel, vocab_shard_range
 from specdoctor.runtime.worker import build_rank
 
 # Rows per TP rank, worked out by hand: padded = the vocabulary rounded up to a multiple of 64, then / TP.
@@ -111,7 +113,8 @@ def test_read_vocab_shard_gives_the_ranks_real_rows_then_zero_padding_reading_on
 def test_check_vocab_shard_passes_the_right_table(table_checkpoint, tp, rank):
     checkpoint, table = table_checkpoint
     (start, end), real, padding = SHARDS[tp, rank]
-    check = check_vocab_shard(checkpoint, KEY, table.float(), tp, rank)  # the runtime holds it in fp32
+    loaded = read_vocab_shard(checkpoint, KEY, tp, rank).float()  # the runtime holds it in fp32
+    check = check_vocab_shard(checkpoint, KEY, loaded, TensorParallel(rank, tp))
     assert (check.tp_size, check.tp_rank, check.rows, check.real_rows, check.padded_rows) == (
         tp,
         rank,
@@ -124,15 +127,16 @@ def test_check_vocab_shard_passes_the_right_table(table_checkpoint, tp, rank):
 
 def test_check_vocab_shard_reports_a_wrong_row_in_the_ranks_slice_and_only_there(table_checkpoint):
     checkpoint, table = table_checkpoint
-    wrong = table.float().clone()
-    wrong[120] += 1.0  # a row of TP 2 rank 1's slice [96, 192)
-    inside = check_vocab_shard(checkpoint, KEY, wrong, 2, 1)
-    assert not inside.matches_table and not inside.ok
-    assert check_vocab_shard(checkpoint, KEY, wrong, 2, 0).ok  # rank 0's rows [0, 96) are all right
-    shifted = table.float().roll(1, dims=0)
-    assert not check_vocab_shard(checkpoint, KEY, shifted, 4, 0).ok
+    first, second = table.float()[:96].clone(), table.float()[96:].clone()  # TP 2: rows [0, 96), [96, 150) + padding
+    second[120 - 96] += 1.0
+    second = torch.cat([second, torch.zeros(42, HIDDEN)])
+    inside = check_vocab_shard(checkpoint, KEY, second, TensorParallel(1, 2))
+    assert not inside.matches_table and inside.padding_zero and not inside.ok
+    assert check_vocab_shard(checkpoint, KEY, first, TensorParallel(0, 2)).ok  # rank 0's rows are all right
+    second[-1] = 1.0  # a padding row that is not zero
+    assert not check_vocab_shard(checkpoint, KEY, second, TensorParallel(1, 2)).padding_zero
     with pytest.raises(SpecdoctorError, match="does not split over 5"):
-        check_vocab_shard(checkpoint, KEY, table.float(), 5, 0)
+        check_vocab_shard(checkpoint, KEY, table.float(), TensorParallel(0, 5))
 
 
 EMBEDDING, HEAD = "embed_tokens.weight", "layers.4.shared_head.head.weight"
@@ -177,25 +181,37 @@ def test_repair_drafter_fills_the_unloaded_tensors_from_the_checkpoint_bit_for_b
     assert result.seconds >= 0
 
 
-def test_repair_drafter_under_tp_checks_the_ranks_vocab_shard(legacy_rank):
-    """Run after the first repair (one module): the embedding alone, TP 8 rank 5. The demo's 2,048 rows are
-    a multiple of 64, so rank 5 holds [1280, 1536), all real; the check reads those rows once more to
-    compare them with the repaired table."""
-    model = legacy_rank
+@pytest.fixture
+def tp_rank_built_alone():
+    """TP rank 1 of 2 of the demo's drafter stage at PP 2, built alone (its shapes, no process group), loaded as
+    engine-legacy leaves it: its slice of the embedding left as allocated, filled with NaN."""
+    options = RuntimeOptions("demo", pp=2, tp=2, drafter_policy="engine-legacy", fill="nan")
+    try:
+        model, _ = build_rank(options, 3)  # global rank 3: stage 1, TP rank 1
+        yield model
+    finally:
+        tensor_parallel.use(TensorParallel())
+
+
+def test_repair_drafter_of_a_tp_rank_reads_its_rows_alone_and_checks_them(tp_rank_built_alone):
+    """The demo's 2,048 rows are a multiple of 64: TP rank 1 of 2 holds [1024, 2048), all real. Its repair reads
+    those rows, and the check reads them once more to compare them with the repaired slice."""
+    model = tp_rank_built_alone
     embedding = stored(EMBEDDING_KEY)
-    with torch.no_grad():
-        model.drafter.get_parameter(EMBEDDING).fill_(float("nan"))  # as allocated again
-    result = repair_drafter(model, [EMBEDDING], tp_size=8, tp_rank=5)
-    assert result.repaired == {EMBEDDING: EMBEDDING_KEY}
-    assert torch.equal(model.drafter.get_parameter(EMBEDDING), embedding.to(model.dtype))
+    assert model.drafter.get_parameter(EMBEDDING).shape == (1024, embedding.shape[1])
+    assert model.drafter.get_parameter(EMBEDDING).isnan().all()
+    result = repair_drafter(model, {1: [EMBEDDING]})
+    assert result.repaired == {EMBEDDING: EMBEDDING_KEY} and result.tp_rank == 1
+    assert torch.equal(model.drafter.get_parameter(EMBEDDING), embedding[1024:].to(model.dtype))
     shard = result.tp_shard
     assert (shard.tp_size, shard.tp_rank, shard.rows, shard.real_rows, shard.padded_rows) == (
-        8,
-        5,
-        [1280, 1536],
-        256,
+        2,
+        1,
+        [1024, 2048],
+        1024,
         0,
     )
     assert shard.matches_table and shard.padding_zero
     row_bytes = embedding.shape[1] * embedding.element_size()
-    assert result.bytes_read == embedding.numel() * embedding.element_size() + 256 * row_bytes
+    assert result.bytes_read == 2 * 1024 * row_bytes
+    assert repair_drafter(model, {0: [EMBEDDING]}).repaired == {}  # another rank's list: nothing to do here
