@@ -177,8 +177,8 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     reason = refusal(config, size)
     if reason is None and any(map(config.is_linear_attention, range(config.num_hidden_layers))):
         reason = "the runtime does not shard linear-attention (Gated DeltaNet) layers yet"
-    if reason is None and drafter is not None and drafter.name != "mtp":
-        reason = f"the runtime shards MTP drafters only, not {drafter.label}, yet"
+    if reason is None and drafter is not None and drafter.name == "dspark":
+        reason = f"the runtime does not shard {drafter.label} yet"
     if reason is None and checkpoint.quantization and options.quantized_weights.value == "packed":
         reason = "the runtime does not shard packed quantised weights yet (--quantized-weights dequantized does)"
     ranks = size * options.pp
@@ -195,7 +195,8 @@ def shard_range(full: tuple[int, ...], local: tuple[int, ...], vocab: bool, tp: 
         return None
     if vocab:
         start, end = vocab_shard_range(full[0], tp.size, tp.rank)
-        return 0, min(start, full[0]), min(end, full[0])
+        held = local[0] == end - start and tuple(full[1:]) == tuple(local[1:])
+        return (0, min(start, full[0]), min(end, full[0])) if held else None  # else another vocabulary's slice
     differing = [dim for dim, (a, b) in enumerate(zip(full, local, strict=True)) if a != b]
     if len(full) != len(local) or len(differing) != 1:
         return None

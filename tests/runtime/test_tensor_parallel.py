@@ -17,6 +17,7 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
 from tests.conftest import make_hf_checkpoint
+from tests.helpers.draft_models import save_cut_down, save_target
 from tests.helpers.families import PIPELINE_PROMPTS, make_family_checkpoint, plain_greedy, save_dense_checkpoint
 
 PADDED_VOCAB = dict(vocab_size=300)  # pads to 320: TP 2 rank 1 holds rows [160, 320), 140 of them real
@@ -66,7 +67,7 @@ def test_tp_2_pp_2_matches_transformers_and_tp_1_for_every_family(family):
         assert tp2.proposals == tp1.proposals, k  # every draft token, accepted or not
 
 
-DEMOS = {"demo": {}, "demo-mla": {}, "demo-w4a16": {"quantized_weights": "dequantized"}}
+DEMOS = {"demo": {}, "demo-mla": {}, "demo-w4a16": {"quantized_weights": "dequantized"}, "demo-eagle3": {}}
 
 
 @pytest.mark.slow
@@ -95,6 +96,22 @@ def test_tp_4_pp_1_gives_tp_1s_tokens_and_acceptance_counts(tmp_path):
             runs.append(engine.generate(PIPELINE_PROMPTS, 12))
     assert runs[1].tokens == runs[0].tokens and runs[1].row_metrics == runs[0].row_metrics
     assert runs[1].proposals == runs[0].proposals and len(runs[0].proposals) > 3 * len(PIPELINE_PROMPTS)
+
+
+@pytest.mark.slow
+def test_a_draft_model_at_tp_2_pp_2_gives_tp_1_pp_1s_tokens_and_drafts(tmp_path):
+    """A separate draft model (the target's first two layers, saved again by transformers) is sharded as the target
+    is: the same TP size, on the last stage."""
+    target = save_target(tmp_path / "target")
+    draft = save_cut_down(target, tmp_path / "draft", num_hidden_layers=2)
+    runs = []
+    for tp, pp in ((1, 1), (2, 2)):
+        options = RuntimeOptions(str(target), speculative_model=str(draft), tp=tp, pp=pp, num_speculative_tokens=3)
+        with Engine(options) as engine:
+            runs.append(engine.generate(PIPELINE_PROMPTS, 12))
+    whole, sharded = runs
+    assert sharded.tokens == whole.tokens and sharded.proposals == whole.proposals
+    assert sharded.row_metrics == whole.row_metrics and whole.metrics.num_accepted_tokens > 0
 
 
 # vLLM's rules, worked out by hand: q/k/v, gate/up and MLA's q_b/kv_b split their rows evenly; o_proj and down_proj

@@ -44,7 +44,9 @@ def load_module(
         for part in linear._buffers
     }  # fmt: skip
     vocab = {
-        f"{owner}.weight".lstrip(".") for owner, part in module.named_modules() if tensor_parallel.is_vocab_parallel(part)
+        f"{owner}.weight".lstrip(".")
+        for owner, part in module.named_modules()
+        if tensor_parallel.is_vocab_parallel(part)
     }
     for name, target in module.state_dict(keep_vars=True).items():
         key = key_for(name)

@@ -10,6 +10,7 @@ a flat Llama config, keys `midlayer.*`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from specdoctor.runtime.models import llama, qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.mtp import draft_chain
 from specdoctor.runtime.models.rope import rotary_cos_sin
+from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, current, local_config
 
 SPECULATORS_TYPE = "eagle3"  # `speculators_model_type` of the speculators format
 ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
@@ -215,10 +217,11 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.config = config
+        # This TP rank's slice of the layers (vLLM shards them as Llama's; fc and the norms are replicated).
+        config = self.config = dataclasses.replace(config, backbone=local_config(config.backbone, current().size))
         backbone, hidden = config.backbone, config.hidden_size
         eps, fc_input = backbone.rms_norm_eps, config.num_aux * config.target_hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         if config.norm_before_fc:
             self.input_norm = RMSNorm(fc_input, eps)
         if config.fc_norm:
@@ -228,7 +231,7 @@ class Eagle3Drafter(nn.Module):
         later = {str(i): llama.DecoderLayer(backbone, i) for i in range(1, config.num_layers)}
         self.layers = nn.ModuleDict({"0": first, **later})
         self.norm = RMSNorm(hidden, eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(hidden, config.draft_vocab_size)
         if config.reduced_vocab:  # vLLM's draft_id_to_target_id: zeros until the checkpoint's d2t loads
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
 
