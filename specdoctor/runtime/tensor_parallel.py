@@ -177,8 +177,6 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     reason = refusal(config, size)
     if reason is None and any(map(config.is_linear_attention, range(config.num_hidden_layers))):
         reason = "the runtime does not shard linear-attention (Gated DeltaNet) layers yet"
-    if reason is None and drafter is not None and drafter.name == "dspark":
-        reason = f"the runtime does not shard {drafter.label} yet"
     if reason is None and checkpoint.quantization and options.quantized_weights.value == "packed":
         reason = "the runtime does not shard packed quantised weights yet (--quantized-weights dequantized does)"
     ranks = size * options.pp

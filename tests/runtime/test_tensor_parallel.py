@@ -67,7 +67,13 @@ def test_tp_2_pp_2_matches_transformers_and_tp_1_for_every_family(family):
         assert tp2.proposals == tp1.proposals, k  # every draft token, accepted or not
 
 
-DEMOS = {"demo": {}, "demo-mla": {}, "demo-w4a16": {"quantized_weights": "dequantized"}, "demo-eagle3": {}}
+DEMOS = {
+    "demo": {},
+    "demo-mla": {},
+    "demo-w4a16": {"quantized_weights": "dequantized"},
+    "demo-eagle3": {},
+    "demo-dspark": {"num_speculative_tokens": 4},  # its block size
+}
 
 
 @pytest.mark.slow
@@ -76,7 +82,7 @@ def test_demos_at_tp_2_pp_2_give_tp_1_pp_1s_tokens_and_acceptance_counts(demo):
     prompts = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7, 300, 12]]
     runs = []
     for tp, pp in ((1, 1), (2, 2)):
-        options = RuntimeOptions(demo, tp=tp, pp=pp, num_speculative_tokens=3, timeout=60, **DEMOS[demo])
+        options = RuntimeOptions(demo, tp=tp, pp=pp, timeout=60, **{"num_speculative_tokens": 3, **DEMOS[demo]})
         with Engine(options) as engine:
             runs.append(engine.generate(prompts, 16))
     whole, sharded = runs

@@ -7,6 +7,7 @@ embedding and head are the target's unless it ships them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from specdoctor.runtime.config import DraftLayersConfig, ModelConfig, RawConfig
 from specdoctor.runtime.models import qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.rope import apply_rotary, rotary_cos_sin
+from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, current, local_config
 
 # vLLM 0.32 builds Qwen3DSparkForCausalLM for these (config/speculative.py; DSparkDraftModel only with
 # model_type qwen3, else it is DeepSeek-V4's drafter).
@@ -185,8 +187,8 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # replicated under TP, as vLLM holds it
+        self.markov_w2 = ParallelLMHead(rank, vocab_size)
 
     def forward(self, previous: torch.Tensor) -> torch.Tensor:  # [...] token ids -> [..., V] bias
         return self.markov_w2(self.markov_w1(previous))
@@ -217,14 +219,15 @@ class DSparkDrafter(nn.Module):
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
-        self.config = config
+        # This TP rank's slice of the layers (vLLM shards them as Qwen3's; fc and the norms are replicated).
+        config = self.config = dataclasses.replace(config, backbone=local_config(config.backbone, current().size))
         backbone, hidden = config.backbone, config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         self.layers = nn.ModuleDict({str(i): qwen3.DecoderLayer(backbone, i) for i in range(config.num_layers)})
         self.fc = nn.Linear(config.target_hidden_size * len(config.tap_entries), hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, backbone.rms_norm_eps)
         self.norm = RMSNorm(hidden, backbone.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(hidden, config.vocab_size)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
         if config.confidence_head:
             self.confidence_head = ConfidenceHead(hidden + config.markov_rank * config.confidence_with_markov)
