@@ -131,18 +131,24 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, reduce: bool = True) -> tor
     return all_reduce(out) if reduce else out
 
 
+# Config fields a rank holds 1/TP of: heads (linear attention's too, Gated DeltaNet's) and intermediate sizes.
+SPLIT_FIELDS = (
+    "num_attention_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
 def local_config(config, size: int):
     """The config of one rank's slice: attention heads, KV heads (one each where fewer than ranks: replicated),
     and the dense and expert intermediate sizes divided by `size` (a config refused by `refusal` is not split)."""
     if size == 1:
         return config
-    return dataclasses.replace(
-        config,
-        num_attention_heads=config.num_attention_heads // size,
-        num_key_value_heads=max(1, config.num_key_value_heads // size),
-        intermediate_size=config.intermediate_size // size,
-        moe_intermediate_size=config.moe_intermediate_size // size,
-    )
+    split = {name: getattr(config, name) // size for name in SPLIT_FIELDS if hasattr(config, name)}
+    return dataclasses.replace(config, **split, num_key_value_heads=max(1, config.num_key_value_heads // size))
 
 
 def refusal(config, size: int) -> str | None:
@@ -157,8 +163,8 @@ def refusal(config, size: int) -> str | None:
         )
     if kv_heads % size if kv_heads >= size else size % kv_heads:
         return f"{kv_heads} KV heads neither divide over nor replicate evenly across {size} ranks (vLLM's rule)"
-    sizes = {"intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size}
-    for name, value in sizes.items():
+    for name in SPLIT_FIELDS[1:]:
+        value = getattr(config, name, 0)
         if value % size:
             return f"{name} {value} is not divisible by {size} (vLLM's rule for its column-parallel projections)"
     try:
@@ -175,14 +181,23 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     if size == 1:
         return None
     reason = refusal(config, size)
-    if reason is None and any(map(config.is_linear_attention, range(config.num_hidden_layers))):
-        reason = "the runtime does not shard linear-attention (Gated DeltaNet) layers yet"
     if reason is None and checkpoint.quantization and options.quantized_weights.value == "packed":
         reason = "the runtime does not shard packed quantised weights yet (--quantized-weights dequantized does)"
     ranks = size * options.pp
     if reason is None and options.device.value == "cuda" and ranks > torch.cuda.device_count():
         reason = f"{ranks} ranks need {ranks} CUDA devices, this machine has {torch.cuda.device_count()}"
     return f"--tensor-parallel-size {size}: {reason}" if reason else None
+
+
+def segment_ranges(segments: tuple[int, ...], tp: TensorParallel) -> list[tuple[int, int]]:
+    """Rows a rank holds of a tensor whose rows are `segments` laid end to end (Gated DeltaNet's q | k | v
+    channels), each split evenly: its slice of every segment, as vLLM's merged column-parallel loaders cut them."""
+    ranges, start = [], 0
+    for size in segments:
+        part = size // tp.size
+        ranges.append((start + tp.rank * part, start + (tp.rank + 1) * part))
+        start += size
+    return ranges
 
 
 def shard_range(full: tuple[int, ...], local: tuple[int, ...], vocab: bool, tp: TensorParallel):

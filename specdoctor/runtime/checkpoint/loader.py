@@ -48,6 +48,11 @@ def load_module(
         for owner, part in module.named_modules()
         if tensor_parallel.is_vocab_parallel(part)
     }
+    segmented = {  # tensors whose rows are segments laid end to end, each split (models/gated_deltanet.py)
+        f"{owner}.{name}".lstrip("."): sizes
+        for owner, part in module.named_modules()
+        for name, sizes in getattr(part, "tp_segments", {}).items()
+    }
     for name, target in module.state_dict(keep_vars=True).items():
         key = key_for(name)
         if key is None:
@@ -57,7 +62,10 @@ def load_module(
         if info is None:
             result.missing[name] = key
             continue
-        shard = tensor_parallel.shard_range(tuple(info.shape), tuple(target.shape), name in vocab, tp)
+        if name in segmented and tuple(info.shape) != tuple(target.shape):
+            shard = (0, tensor_parallel.segment_ranges(segmented[name], tp))
+        else:
+            shard = tensor_parallel.shard_range(tuple(info.shape), tuple(target.shape), name in vocab, tp)
         if tuple(info.shape) != tuple(target.shape) and shard is None:
             raise CheckpointError(
                 f"{checkpoint.path}: tensor {key!r} has shape {tuple(info.shape)}, the model expects "
@@ -85,6 +93,9 @@ def read_slice(
     read = checkpoint.read_stored if stored else checkpoint.read
     if shard is None:
         read(key, out=target)
+        return
+    if isinstance(shard[1], list):  # a slice of each segment, rows of the whole tensor
+        target.copy_(torch.cat([read(key, rows=rows) for rows in shard[1]]))
         return
     dim, start, end = shard
     if dim == 0:

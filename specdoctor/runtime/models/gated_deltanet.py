@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache
 
 
@@ -83,6 +84,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(values, hidden, bias=False)
+        # Under TP a rank holds its key and value heads (config: this rank's): of the q | k | v channels, its
+        # slice of each (rows of the whole tensor: the loader's segments); the grouped in_proj_qkvz and
+        # in_proj_ba, and dt_bias and A_log, hold its heads as one contiguous slice.
+        size = tensor_parallel.current().size
+        segments = (size * keys, size * keys, size * values)
+        self.tp_segments = {"conv1d.weight": segments, "in_proj_qkv.weight": segments}
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the conv's input [B, T, C] as q | k | v, z [B, T, Hv, Dv], b and a [B, T, Hv]) of x [B, T, H]."""
@@ -131,4 +138,4 @@ class GatedDeltaNet(nn.Module):
             windows = sequence.unfold(2, self.kernel - 1, 1)[:, :, 1:].transpose(1, 2)  # [B, T, C, K-1]
             states.stage(self.layer_id, windows, after)
         out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(batch, length, -1))
+        return tensor_parallel.row_parallel(self.out_proj, out.reshape(batch, length, -1))

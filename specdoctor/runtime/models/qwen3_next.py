@@ -30,6 +30,7 @@ from specdoctor.runtime.models.gated_deltanet import GatedDeltaNet
 from specdoctor.runtime.models.layers import MLP, RMSNorm
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.models.rope import apply_rotary
+from specdoctor.runtime.tensor_parallel import ParallelLMHead, row_parallel
 
 FUSED_PROJECTION = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": False}
 ARCHITECTURES = tuple(FUSED_PROJECTION)
@@ -171,7 +172,7 @@ class GatedAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
         ).transpose(1, 2)
-        return self.o_proj((out * gate.sigmoid()).reshape(batch, length, -1))
+        return row_parallel(self.o_proj, (out * gate.sigmoid()).reshape(batch, length, -1))
 
 
 class SoftmaxRouter(nn.Module):
@@ -195,7 +196,8 @@ class HybridMoE(MoE):
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        # Reduced with the routed experts (the gate, replicated, scales each token's partial sum alike).
+        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size, reduce=False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def shared(self, flat: torch.Tensor) -> torch.Tensor:
@@ -233,7 +235,7 @@ class MtpLayer(DecoderLayer):
         self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, eps)
         self.norm = OffsetRMSNorm(hidden, eps)
         self.shared_head = nn.Module()
-        self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.shared_head.head = ParallelLMHead(hidden, config.vocab_size)
 
     def add_mixer(self, config: HybridConfig, layer_id: int) -> None:
         self.self_attn = GatedAttention(config, layer_id)  # MTP layer ids count from 0: never linear attention

@@ -122,13 +122,15 @@ def last_rank(pair, pp: int = 2, **policies):
 )
 def test_each_unloaded_tensor_is_found_from_its_content_and_repaired(pair, pp, policies, broken, signals):
     model = last_rank(pair, pp, **policies)
-    findings, found = drafter_findings(measure_drafter(model), "before")
+    findings, by_tp_rank = drafter_findings(measure_drafter(model), "before")
+    found = by_tp_rank[0]  # TP 1: rank 0 alone
     assert found == broken
     errors = {f.check.removeprefix("drafter.") for f in findings if f.severity == "error" and f.data.get("name")}
     assert errors == signals
     result = repair_drafter(model, found)
     assert set(result.repaired) == set(broken)
-    findings, found = drafter_findings(measure_drafter(model), "after")
+    findings, by_tp_rank = drafter_findings(measure_drafter(model), "after")
+    found = by_tp_rank[0]  # TP 1: rank 0 alone
     assert found == [] and not [f for f in findings if f.severity == "error"]
     target, drafter = Checkpoint(pair[0]), DrafterCheckpoint(pair[1])
     for name, key in result.repaired.items():
@@ -148,7 +150,8 @@ def test_embedding_policies(pair, pp, policy, provenance):
     model = last_rank(pair, pp, drafter_policy=policy)
     assert model.provenance.sources["embed_tokens.weight"] == provenance
     assert model.provenance.sources["lm_head.weight"] == "alias:lm_head"  # the drafter's rank holds the head
-    findings, broken = drafter_findings(measure_drafter(model), "before")
+    findings, by_tp_rank = drafter_findings(measure_drafter(model), "before")
+    broken = by_tp_rank[0]  # TP 1: rank 0 alone
     if policy == "alias-placeholder":
         assert broken == ["embed_tokens.weight"]
         assert any(f.check == "drafter.alias" and "token ids" in f.message for f in findings)
@@ -172,7 +175,7 @@ def test_a_shipped_embedding_is_the_drafters_own(pair, tmp_path):
     model = last_rank((pair[0], drafter, None), 2, drafter_policy="engine-legacy")
     assert model.provenance.sources["embed_tokens.weight"] == "checkpoint:embed_tokens.weight"
     torch.testing.assert_close(model.drafter.embed_tokens.weight, own)
-    assert drafter_findings(measure_drafter(model), "before")[1] == []
+    assert drafter_findings(measure_drafter(model), "before")[1] == {0: []}
 
 
 @pytest.mark.parametrize(
