@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.models.packed import PackedLinear
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it across TP ranks
 
@@ -126,8 +127,10 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, reduce: bool = True) -> tor
     tp = _current
     if tp.size == 1:
         return linear(x)
-    bias = linear.bias if tp.rank == 0 else None
-    out = F.linear(x, linear.weight, bias)
+    packed = isinstance(linear, PackedLinear)  # quantised words: its GEMM, the bias apart
+    out = linear.matmul(x) if packed else F.linear(x, linear.weight)
+    if tp.rank == 0 and linear.bias is not None:
+        out = out + linear.bias
     return all_reduce(out) if reduce else out
 
 
@@ -181,8 +184,10 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     if size == 1:
         return None
     reason = refusal(config, size)
-    if reason is None and checkpoint.quantization and options.quantized_weights.value == "packed":
-        reason = "the runtime does not shard packed quantised weights yet (--quantized-weights dequantized does)"
+    if reason is None and any("g_idx" in weight.parts for weight in checkpoint.quantized.values()):
+        reason = "the runtime does not shard activation-ordered groups (weight_g_idx) yet"
+    if reason is None and checkpoint.quantized and options.quantized_weights.value == "packed":
+        reason = packed_slice_refusal(checkpoint, options)
     ranks = size * options.pp
     if reason is None and options.device.value == "cuda" and ranks > torch.cuda.device_count():
         reason = f"{ranks} ranks need {ranks} CUDA devices, this machine has {torch.cuda.device_count()}"
@@ -198,6 +203,27 @@ def segment_ranges(segments: tuple[int, ...], tp: TensorParallel) -> list[tuple[
         ranges.append((start + tp.rank * part, start + (tp.rank + 1) * part))
         start += size
     return ranges
+
+
+def packed_slice_refusal(checkpoint, options) -> str | None:
+    """Whether every stage's packed weights slice into whole words, groups and blocks at TP `options.tp` (vLLM's
+    kernels refuse a slice that does not: "Weight input_size_per_partition = N is not divisible by ..."): each
+    stage built on the meta device, as a rank builds it, in TP rank 0's shapes."""
+    from specdoctor.errors import CheckpointError
+    from specdoctor.runtime.checkpoint.loader import build_stage
+    from specdoctor.runtime.partition import placements
+
+    previous = current()
+    use(TensorParallel(0, options.tp))
+    try:
+        with torch.device("meta"):
+            for stage in placements(checkpoint.config, options.pp, options.pp_partition):
+                build_stage(checkpoint, stage.layers, stage.has_embedding, stage.has_head, packed=True)
+    except CheckpointError as err:
+        return f"a rank's slice of a packed weight: {str(err).removeprefix(f'{checkpoint.path}: ')}"
+    finally:
+        use(previous)
+    return None
 
 
 def shard_range(full: tuple[int, ...], local: tuple[int, ...], vocab: bool, tp: TensorParallel):

@@ -11,10 +11,13 @@ import subprocess
 import pytest
 import torch
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.packed import PackedLinear
+from specdoctor.runtime.options import RuntimeOptions
 from tests.commands.test_cli import rename_key, specdoctor
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.families import make_family_checkpoint
@@ -74,6 +77,12 @@ def assert_both_paths_equal(path, expected: torch.Tensor) -> None:
         assert relative_error(ours[:, -1], expected[:, -1]) < 1e-4, packed
 
 
+def tp_2_pp_2_logits(path) -> torch.Tensor:
+    """The logits of four rank processes holding their slices of the packed words, scales and zero points."""
+    with Engine(RuntimeOptions(str(path), tp=2, pp=2, timeout=120)) as engine:
+        return engine.prompt_logits(IDS.tolist())
+
+
 @pytest.mark.parametrize("form", ["w4a16", "w4a16-asym", "awq"])
 def test_w4a16_logits_equal_the_tools_dequantised_model(quant_python, float_checkpoint, tmp_path, form):
     out = tmp_path / form
@@ -81,6 +90,7 @@ def test_w4a16_logits_equal_the_tools_dequantised_model(quant_python, float_chec
     checkpoint = Checkpoint(out)
     assert checkpoint.quantized and not checkpoint.quantization_problems
     assert_both_paths_equal(out, expected)
+    assert relative_error(tp_2_pp_2_logits(out), expected) < 1e-4
 
 
 def test_fp8_block_logits_equal_transformers_dequantised_model(float_checkpoint, tmp_path):
@@ -90,6 +100,10 @@ def test_fp8_block_logits_equal_transformers_dequantised_model(float_checkpoint,
     with torch.no_grad():
         expected = dequantised_model(out)(IDS).logits
     assert_both_paths_equal(out, expected)
+    # At TP 2 a rank's k_proj is one 16-row KV head, half a 32-row scale block: refused before any rank starts,
+    # as vLLM's block-FP8 layers refuse it ("output_partition_size = 16 is not divisible by block_n = 32").
+    with pytest.raises(SpecdoctorError, match="--tensor-parallel-size 2: a rank's slice of a packed weight"):
+        tp_2_pp_2_logits(out)
 
 
 def test_shipped_w4a16_demo_is_what_llm_compressor_writes(quant_python, tmp_path):

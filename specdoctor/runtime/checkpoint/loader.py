@@ -16,8 +16,9 @@ from specdoctor.errors import CheckpointError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.files import TORCH_DTYPES
 from specdoctor.runtime.checkpoint.keys import target_key_for
+from specdoctor.runtime.checkpoint.quantization import check_weight_shape
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.models.packed import PackedLinear
+from specdoctor.runtime.models.packed import PackedLinear, sliced_parts
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.tensor_parallel import TensorParallel
 
@@ -113,16 +114,25 @@ def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[s
         weight = checkpoint.quantized.get(key) if key else None
         if weight is None:
             continue
-        if weight.shape != (linear.out_features, linear.in_features):
-            raise CheckpointError(
-                f"{checkpoint.path}: {key} holds a {weight.shape} weight, the model expects "
-                f"{(linear.out_features, linear.in_features)}"
-            )
+        local = (linear.out_features, linear.in_features)
+        if (
+            weight.shape != local
+            and tensor_parallel.shard_range(weight.shape, local, False, tensor_parallel.current()) is None
+        ):
+            raise CheckpointError(f"{checkpoint.path}: {key} holds a {weight.shape} weight, the model expects {local}")
         parts = {part: checkpoint.stored[part] for part in weight.parts.values()}
         unknown = next((part for part, info in parts.items() if info.dtype not in TORCH_DTYPES), None)
         if unknown:
             raise CheckpointError(f"{checkpoint.path}: tensor {unknown!r} has unsupported dtype {parts[unknown].dtype}")
         shapes = {part: (info.shape, TORCH_DTYPES[info.dtype]) for part, info in parts.items()}
+        if weight.shape != local:  # a TP rank's slice: its parts cut in proportion
+            try:
+                if "shape" in weight.parts:
+                    with torch.device("cpu"):  # pack_linears runs while the module is built on the meta device
+                        check_weight_shape(weight, checkpoint.read_stored(weight.parts["shape"]))
+                weight, shapes = sliced_parts(weight, shapes, local)
+            except ValueError as err:
+                raise CheckpointError(f"{checkpoint.path}: {key}: {err}") from None
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, PackedLinear(weight, shapes, linear.bias is not None))
 
@@ -159,6 +169,14 @@ def materialize(module: nn.Module, device: torch.device | str) -> None:
                     tensors[name] = nn.Parameter(empty, requires_grad=False) if tensors is owner._parameters else empty
 
 
+def build_stage(checkpoint: Checkpoint, layers: range, has_embedding: bool, has_head: bool, packed: bool):
+    """A target stage's modules, quantised linears packed where `packed` (call on the meta device: no storage)."""
+    stage = TargetStage(checkpoint.config, layers, has_embedding, has_head)
+    if packed:
+        pack_linears(stage, checkpoint, target_key_for(checkpoint))
+    return stage
+
+
 def load_target_stage(
     checkpoint: Checkpoint,
     layers: range,
@@ -170,14 +188,8 @@ def load_target_stage(
 ) -> TargetStage:
     """A target stage with every owned tensor read from the checkpoint; a missing one is an error. `packed`:
     quantised weights stay packed (models/packed.py), else they are dequantised at load."""
-    config, key_for = checkpoint.config, target_key_for(checkpoint)
-
-    def build() -> TargetStage:
-        stage = TargetStage(config, layers, has_embedding, has_head)
-        if packed:
-            pack_linears(stage, checkpoint, key_for)
-        return stage
-
+    key_for = target_key_for(checkpoint)
+    build = lambda: build_stage(checkpoint, layers, has_embedding, has_head, packed)  # noqa: E731
     stage = allocate(build, dtype, device, checkpoint.map_weights)
     result = load_module(stage, checkpoint, key_for)
     materialize(stage, device)

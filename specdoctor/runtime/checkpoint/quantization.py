@@ -174,7 +174,8 @@ def dequantize(weight: QuantizedWeight, read: Callable[[str], torch.Tensor]) -> 
     """The [out, in] floating-point weight, its parts read with `read(key)` (exact: see kernels/reference.py)."""
     part = {role: read(key) for role, key in weight.parts.items()}
     if weight.format == "pack-quantized":
-        check_weight_shape(weight, part["shape"])
+        if "shape" in part:  # a TP rank's slice has none (models/packed.py: sliced_parts)
+            check_weight_shape(weight, part["shape"])
         return reference.dequantize_pack_quantized(
             part["packed"], part["scale"], part.get("zero_point"), weight.shape[1], weight.bits, weight.group_size,
             part.get("g_idx"),

@@ -55,6 +55,11 @@ class PackedLinear(nn.Module):
         return dequantize(self.spec, lambda key: self._buffers[key.rpartition(".")[2]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        out = self.matmul(x)
+        return out + self.bias if self.bias is not None else out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the weight, without the bias (a row-parallel rank adds it once: runtime/tensor_parallel.py)."""
         flat = x.reshape(-1, self.in_features)
         spec, part = self.spec, self.part
         if spec.format == "fp8-block":
@@ -69,8 +74,40 @@ class PackedLinear(nn.Module):
             )
         else:  # 8-bit words and activation-ordered groups have no GEMM of their own: dequantise per call
             out = F.linear(flat, self.dequantized().to(x.dtype))
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out + self.bias if self.bias is not None else out
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+# Per format, each part's (output axis, input axis) of the weight: the axes a TP rank's slice of the weight cuts
+# (packed words and scale groups scale with them; None: the part has no such axis).
+PART_AXES = {
+    "pack-quantized": {"packed": (0, 1), "scale": (0, 1), "zero_point": (0, 1), "g_idx": (None, 0)},
+    "awq": {"qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0)},
+    "fp8-block": {"weight": (0, 1), "scale_inv": (0, 1)},
+}
+
+
+def sliced_parts(
+    weight: QuantizedWeight, parts: dict[str, tuple[tuple[int, ...], torch.dtype]], local: tuple[int, int]
+) -> tuple[QuantizedWeight, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """The weight of one TP rank's [out, in] slice `local` of it, and its parts' shapes: each part's output and
+    input axes cut in proportion (ValueError where words, groups or blocks do not divide so, as vLLM refuses).
+    compressed-tensors' `weight_shape`, the whole weight's, is left out (checked against the whole at load)."""
+    ratios = (local[0] / weight.shape[0], local[1] / weight.shape[1])
+    sliced = {}
+    for role, key in weight.parts.items():
+        if role == "shape":
+            continue
+        shape, dtype = parts[key]
+        axes = PART_AXES[weight.format][role]
+        new = list(shape)
+        for axis, ratio in zip(axes, ratios, strict=True):
+            if axis is not None and ratio != 1:
+                if (shape[axis] * ratio) % 1:
+                    raise ValueError(f"{key}'s {shape[axis]} along axis {axis} do not split into a {local} slice")
+                new[axis] = int(shape[axis] * ratio)
+        sliced[key] = (tuple(new), dtype)
+    kept = {role: key for role, key in weight.parts.items() if role != "shape"}
+    return weight._replace(parts=kept, shape=local), sliced
 
 
 def any_packed(*modules: nn.Module) -> bool:
