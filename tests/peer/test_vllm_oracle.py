@@ -22,7 +22,7 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import layer_ranges, placements
-from specdoctor.runtime.tensor_parallel import vocab_shard_range
+from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
 from tests.helpers.checkpoints import zeroed_enorm_copy
 from tests.helpers.servers import SpecdoctorServer, free_port
 from tests.peer.conftest import K, start_or_fail
@@ -108,6 +108,48 @@ def test_vocab_shards_match_vllms_vocab_parallel_embedding(goldens):
                 vocab_shard_range(vocab, tp, 0)
         else:
             assert [list(vocab_shard_range(vocab, tp, rank)) for rank in range(tp)] == ranks, key
+
+
+def rows_of(shard, total: int) -> list[int]:
+    """The checkpoint rows (or columns) a (dim, start, end) slice from shard_range covers; None: all of them."""
+    start, end = (0, total) if shard is None else shard[1:]
+    return list(range(start, end))
+
+
+def test_tp_slices_match_what_vllms_own_weight_loaders_put_on_each_rank(goldens):
+    """QKVParallelLinear (KV heads split, and replicated when fewer than ranks), MergedColumnParallelLinear,
+    RowParallelLinear and VocabParallelEmbedding (padding rows zero), at TP 2 and 4, every rank."""
+    checked = set()
+    for key, held in goldens[0]["tp"].items():
+        kind, *sizes = key.split(",")
+        *shape, tp_size, rank = map(int, sizes)
+        tp = TensorParallel(rank, tp_size)
+        if kind == "qkv":
+            heads, kv_heads, size, hidden = shape
+            local_kv = max(1, kv_heads // tp_size)
+            for shard, total, local in (
+                ("q", heads, heads // tp_size),
+                ("k", kv_heads, local_kv),
+                ("v", kv_heads, local_kv),
+            ):
+                ours = shard_range((total * size, hidden), (local * size, hidden), False, tp)
+                assert rows_of(ours, total * size) == held[shard], (key, shard)
+        elif kind in ("gate", "row"):
+            rows, columns = shape
+            full, local = (
+                ((rows, columns), (rows // tp_size, columns))
+                if kind == "gate"
+                else ((rows, columns), (rows, columns // tp_size))
+            )
+            ours = shard_range(full, local, False, tp)
+            assert rows_of(ours, full[0] if kind == "gate" else full[1]) == held, key
+        else:
+            vocab, hidden = shape
+            start, end = vocab_shard_range(vocab, tp_size, rank)
+            ours = shard_range((vocab, hidden), (end - start, hidden), True, tp)
+            assert rows_of(ours, vocab) == held["rows"] and (end - start) - len(held["rows"]) == held["padding"], key
+        checked.add(kind)
+    assert checked == {"qkv", "gate", "row", "vocab"}
 
 
 def test_placement_matches_what_vllms_glm_model_builds_on_each_rank(goldens):

@@ -23,7 +23,7 @@ import torch
 
 PP_GRID = [(layers, pp) for layers in (1, 2, 3, 4, 5, 7, 8, 12, 45, 61, 92) for pp in range(1, 9)]
 PARTITIONS = [(45, 4, "14,12,12,7"), (4, 4, "0,2,2,0"), (45, 4, "45,0,0,0"), (4, 2, ""), (4, 2, "1,2"), (4, 2, "a,b")]
-VOCABS = (300, 320, 2048, 32000, 50257, 129280, 151552)
+VOCABS = (300, 320, 2048, 2112, 32000, 50257, 129280, 151552, 151936, 202752)
 
 
 def pp_indices() -> dict:
@@ -227,6 +227,65 @@ def eagle3() -> dict:
             "placed": placed.tolist()}  # fmt: skip
 
 
+# (q heads, KV heads, head size, hidden) for QKVParallelLinear: KV heads split, and replicated when fewer than ranks.
+QKV_SHAPES = [(8, 2, 4, 16), (6, 6, 4, 16), (4, 1, 4, 16)]
+
+
+def held_rows(tensor: torch.Tensor, width: int) -> list[int]:
+    """The rows of an arange-filled [rows, width] tensor (each value names its row, the last column never zero) that a
+    loaded slice holds; a row of zeros (padding) is none of them."""
+    return sorted({int(row[-1]) // width for row in tensor if row.abs().sum() > 0})
+
+
+def tp_slices() -> dict:
+    """What vLLM's own weight loaders put on each TP rank, for arange-filled checkpoint tensors: QKVParallelLinear's
+    q/k/v rows, MergedColumnParallelLinear's gate rows, RowParallelLinear's columns and VocabParallelEmbedding's
+    rows and zero padding rows, with the TP group's rank and size faked (every vLLM TP helper reads them)."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.layers.vocab_parallel_embedding as vocab
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    def arange(rows: int, width: int) -> torch.Tensor:
+        return torch.arange(rows * width, dtype=torch.float32).view(rows, width) + 1  # + 1: no row sums to zero
+
+    out = {}
+    with set_current_vllm_config(VllmConfig()):
+        for tp in (2, 4):
+            for rank in range(tp):
+                group = FakePPGroup(rank, tp)  # a group's rank and size
+                parallel_state.get_tp_group = lambda group=group: group
+                for heads, kv_heads, size, hidden in QKV_SHAPES:
+                    if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+                        continue
+                    layer = linear.QKVParallelLinear(hidden, size, heads, kv_heads, bias=False)
+                    spans = {
+                        "q": layer.num_heads * size,
+                        "k": layer.num_kv_heads * size,
+                        "v": layer.num_kv_heads * size,
+                    }
+                    held, start = {}, 0
+                    for shard, total in (("q", heads * size), ("k", kv_heads * size), ("v", kv_heads * size)):
+                        layer.weight_loader(layer.weight, arange(total, hidden), shard)
+                        held[shard] = held_rows(layer.weight[start : start + spans[shard]] - 1, hidden)
+                        start += spans[shard]
+                    out[f"qkv,{heads},{kv_heads},{size},{hidden},{tp},{rank}"] = held
+                gate_up = linear.MergedColumnParallelLinear(16, [24, 24], bias=False)
+                gate_up.weight_loader(gate_up.weight, arange(24, 16), 0)
+                out[f"gate,24,16,{tp},{rank}"] = held_rows(gate_up.weight[: 24 // tp] - 1, 16)
+                row = linear.RowParallelLinear(32, 8, bias=False)  # [8, 32]: the transpose names each column
+                row.weight_loader(row.weight, arange(32, 8).T.contiguous())
+                out[f"row,8,32,{tp},{rank}"] = held_rows(row.weight.T - 1, 8)
+                embedding = vocab.VocabParallelEmbedding(300, 8)
+                embedding.weight.data.zero_()
+                embedding.weight_loader(embedding.weight, arange(300, 8))
+                loaded = embedding.weight.data.clone()
+                padding = int((loaded.abs().sum(-1) == 0).sum())
+                loaded[loaded.abs().sum(-1) > 0] -= 1  # the loaded rows' values, padding rows left zero
+                out[f"vocab,300,8,{tp},{rank}"] = {"rows": held_rows(loaded, 8), "padding": padding}
+    return out
+
+
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29531")
@@ -236,5 +295,6 @@ if __name__ == "__main__":
         "placement": placements({"untied": sys.argv[1], "tied": sys.argv[2]}),
         "dspark": dspark(),
         "eagle3": eagle3(),
+        "tp": tp_slices(),
     }
     print("GOLDENS " + json.dumps(goldens))
