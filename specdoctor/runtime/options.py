@@ -160,7 +160,7 @@ class RuntimeOptions:
         "--tp",
         "--tensor-parallel-size",
         "-tp",
-        help="Tensor-parallel size (the runtime runs 1; check --repair verifies a TP rank's vocab shard).",
+        help="Tensor-parallel ranks per pipeline stage (TP x PP processes, sharded as vLLM shards them).",
     )
     num_speculative_tokens: int | None = option(
         0,
