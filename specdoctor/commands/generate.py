@@ -80,6 +80,7 @@ def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, s
 def build_report(runtime: RuntimeOptions, prompts: list[str], codec, result) -> dict:
     return {
         "model": runtime.model,
+        "tp": runtime.tp,
         "pp": runtime.pp,
         "num_speculative_tokens": runtime.num_speculative_tokens,
         "drafter_policy": str(runtime.drafter_policy),

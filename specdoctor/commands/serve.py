@@ -107,7 +107,7 @@ def run_serve(options: ServeOptions) -> None:
             engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
         )
         console.print(
-            f"serving {name} on http://{options.host}:{options.port} (PP {runtime.pp}, "
+            f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
             f"k {runtime.num_speculative_tokens})",
             highlight=False,
         )
