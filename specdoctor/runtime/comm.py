@@ -31,6 +31,8 @@ class PipelineComm:
         self.rank, self.world_size, self.device = rank, pp * tp, device
         self.stage, self.tp_rank, self.tp = divmod(rank, tp) + (tp,)
         self.seconds = 0.0  # time spent moving data or waiting for a peer, for the step profile
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's object collectives (gather_tp) use the current device
         if self.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
@@ -39,7 +41,7 @@ class PipelineComm:
         group = None
         for stage in range(pp) if tp > 1 else ():  # every rank creates every group, in the same order
             ranks = list(range(stage * tp, (stage + 1) * tp))
-            created = dist.new_group(ranks)
+            created = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
             group = created if stage == self.stage else group
         tensor_parallel.use(TensorParallel(self.tp_rank, tp, group))
         self.last = (pp - 1) * tp  # TP rank 0 of the last stage: it speaks for the stage

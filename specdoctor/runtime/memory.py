@@ -10,6 +10,7 @@ and costs no memory itself.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions
 from specdoctor.runtime.partition import Placement
+from specdoctor.runtime.tensor_parallel import TensorParallel, acting_as, local_config
 
 # An idle rank with torch and the runtime imported (220 MiB measured on x86_64, torch 2.13.0+cpu), with room.
 PROCESS_BYTES = 320 << 20
@@ -103,12 +105,13 @@ def rank_weights(
     same size and hold the same linears, so each kind is built once."""
     config, dtype = checkpoint.config, options.dtype.torch()
     family, sizes, kind_linears, linears = family_of(config), {}, {}, {}
+    local = local_config(config, options.tp)  # this TP rank's slice (the caller acts as the rank)
     with torch.device("meta"):
         total = module_bytes(TargetStage(config, range(0), placement.has_embedding, placement.has_head).to(dtype))
         for layer in placement.layers:
             kind = (config.is_moe_layer(layer), config.is_linear_attention(layer))
             if kind not in sizes:
-                module = family.decoder_layer(config, layer).to(dtype)
+                module = family.decoder_layer(local, layer).to(dtype)
                 sizes[kind] = module_bytes(module)
                 kind_linears[kind] = {
                     f"{name}.weight" for name, m in module.named_modules() if isinstance(m, nn.Linear)
@@ -120,7 +123,7 @@ def rank_weights(
     if options.quantized_weights == QuantizedWeights.DEQUANTIZED:
         return total, 0
     saving, transient = packing(checkpoint, linears, dtype)
-    return total - saving, transient
+    return total - saving // options.tp, transient // options.tp  # the split linears' share (nearly all of them)
 
 
 def packing(checkpoint: Checkpoint, linears: dict[int, set[str]], dtype: torch.dtype) -> tuple[int, int]:
@@ -156,17 +159,20 @@ def plan_memory(
     logits = batch * (k + 1) * config.vocab_size * 4 * LOGIT_COPIES
     activations = batch * max_len * config.hidden_size * dtype.itemsize * 8
     plans = []
-    for placement in ranks:
-        kv = cache_bytes(new_cache(config, list(placement.layers), batch, max_len, dtype, "meta"))
-        if placement.has_drafter and drafter is not None:  # its own cache: a draft model's is a whole model's
-            with torch.device("meta"):
-                kv += cache_bytes(drafter.module().new_cache(batch, max_len, dtype, "meta"))
-        weights, dequantizing = rank_weights(checkpoint, placement, drafter, options)
+    for placement, tp_rank in itertools.product(ranks, range(options.tp)):  # every rank: TP inner
+        with acting_as(TensorParallel(tp_rank, options.tp)):
+            local = local_config(config, options.tp)
+            kv = cache_bytes(new_cache(local, list(placement.layers), batch, max_len, dtype, "meta"))
+            if placement.has_drafter and drafter is not None:  # its own cache: a draft model's is a whole model's
+                with torch.device("meta"):
+                    kv += cache_bytes(drafter.module().new_cache(batch, max_len, dtype, "meta"))
+            weights, dequantizing = rank_weights(checkpoint, placement, drafter, options)
+        # Each rank of the last stage holds the whole vocabulary's logits (gathered).
         workspace = PROCESS_BYTES + activations + dequantizing + (logits if placement.is_last else 0)
-        plans.append(RankMemory(placement.rank, weights, kv, workspace))
+        plans.append(RankMemory(placement.rank * options.tp + tp_rank, weights, kv, workspace))
     if options.device == Device.CUDA and torch.cuda.is_available():
         count = torch.cuda.device_count()
-        free = [torch.cuda.mem_get_info(rank % count)[0] for rank in range(len(ranks))]
+        free = [torch.cuda.mem_get_info(plan.rank % count)[0] for plan in plans]
         where = "GPU memory"
     else:
         free, where = [host_memory_available()], "host RAM"

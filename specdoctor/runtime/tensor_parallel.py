@@ -9,6 +9,7 @@ built and reduce through it when run, as vLLM's layers read its parallel state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -43,11 +44,25 @@ def use(tensor_parallel: TensorParallel) -> None:
     _current = tensor_parallel
 
 
+@contextlib.contextmanager
+def collective(what: str):
+    """A TP collective whose failure names the group (the pipeline's error, so the controller tells a peer's
+    failure from this rank's own)."""
+    try:
+        yield
+    except Exception as err:  # gloo and NCCL raise several types
+        from specdoctor.runtime.comm import PipelineError  # comm imports this module
+
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PipelineError(f"TP rank {_current.rank}: {what} with its TP group failed ({detail[:200]})") from None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of every TP rank's `x` (in place), in the model's dtype as vLLM reduces it."""
     tp = _current
     if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+        with collective("an all-reduce"):
+            dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -57,8 +72,20 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if tp.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    with collective("an all-gather"):
+        dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def acting_as(tensor_parallel: TensorParallel):
+    """Modules built inside take `tensor_parallel`'s shapes (a plan or a check made in another process)."""
+    previous = current()
+    use(tensor_parallel)
+    try:
+        yield
+    finally:
+        use(previous)
 
 
 def held_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
@@ -184,6 +211,8 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     if size == 1:
         return None
     reason = refusal(config, size)
+    if reason is None and drafter is not None and drafter.checkpoint is not None:  # a drafter checkpoint of its own
+        reason = drafter_refusal(drafter.checkpoint.config, size)
     if reason is None and any("g_idx" in weight.parts for weight in checkpoint.quantized.values()):
         reason = "the runtime does not shard activation-ordered groups (weight_g_idx) yet"
     if reason is None and checkpoint.quantized and options.quantized_weights.value == "packed":
@@ -192,6 +221,19 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
     if reason is None and options.device.value == "cuda" and ranks > torch.cuda.device_count():
         reason = f"{ranks} ranks need {ranks} CUDA devices, this machine has {torch.cuda.device_count()}"
     return f"--tensor-parallel-size {size}: {reason}" if reason else None
+
+
+def drafter_refusal(config, size: int) -> str | None:
+    """vLLM's rules for a drafter checkpoint's layers (an EAGLE-3 or DSpark backbone, a draft model) and for its
+    draft vocabulary, which its head splits as the target's."""
+    reason = refusal(getattr(config, "backbone", config), size)
+    draft_vocab = getattr(config, "draft_vocab_size", None)
+    if reason is None and draft_vocab:
+        try:
+            vocab_shard_range(draft_vocab, size, 0)
+        except SpecdoctorError as err:
+            reason = f"its draft vocabulary: {err}"
+    return f"the drafter: {reason}" if reason else None
 
 
 def segment_ranges(segments: tuple[int, ...], tp: TensorParallel) -> list[tuple[int, int]]:
@@ -213,16 +255,12 @@ def packed_slice_refusal(checkpoint, options) -> str | None:
     from specdoctor.runtime.checkpoint.loader import build_stage
     from specdoctor.runtime.partition import placements
 
-    previous = current()
-    use(TensorParallel(0, options.tp))
     try:
-        with torch.device("meta"):
+        with acting_as(TensorParallel(0, options.tp)), torch.device("meta"):
             for stage in placements(checkpoint.config, options.pp, options.pp_partition):
                 build_stage(checkpoint, stage.layers, stage.has_embedding, stage.has_head, packed=True)
     except CheckpointError as err:
         return f"a rank's slice of a packed weight: {str(err).removeprefix(f'{checkpoint.path}: ')}"
-    finally:
-        use(previous)
     return None
 
 

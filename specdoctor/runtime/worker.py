@@ -69,7 +69,7 @@ def build_rank(
     (the tests, and a model larger than the machine). `checkpoint` and `kind`: already opened by the caller."""
     device, dtype = rank_device(options, rank), options.dtype.torch()
     stage_rank, tp_rank = divmod(rank, options.tp)
-    if tensor_parallel.current().size != options.tp:  # built alone: the shapes of its TP rank, no group
+    if tensor_parallel.current().group is None:  # built alone: the shapes of its TP rank, no group
         tensor_parallel.use(tensor_parallel.TensorParallel(tp_rank, options.tp))
     checkpoint = checkpoint or Checkpoint(options.model)
     checkpoint.require_runnable()  # also under torchrun, where no Engine checked first
@@ -250,6 +250,10 @@ def run_under_torchrun(options: RuntimeOptions, request: GenerateRequest):
             f"torchrun started {world_size} processes but --tp {options.tp} x --pp {options.pp} needs "
             f"{options.pp * options.tp}"
         )
+    checkpoint = Checkpoint(options.model)  # no Engine checked first: what vLLM refuses, before joining the group
+    refused = tensor_parallel.runtime_refusal(checkpoint, open_drafter(checkpoint, options), options)
+    if refused:
+        raise SpecdoctorError(refused)
     model, _ = load_rank(options, rank)
     commands = iter([("generate", request), ("shutdown", None)])
     results = []

@@ -126,6 +126,19 @@ def test_a_draft_model_at_tp_2_pp_2_gives_tp_1_pp_1s_tokens_and_drafts(tmp_path)
     assert sharded.row_metrics == whole.row_metrics and whole.metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
+def test_compiled_tp_2_gives_eager_tp_1s_tokens_and_drafts():
+    """--compile traces the layers with their all-reduces and all-gathers in them."""
+    prompts = [[5, 9, 14, 3, 77, 41, 8, 19]]
+    runs = []
+    for tp, compiled in ((1, False), (2, True)):
+        options = RuntimeOptions("demo", tp=tp, compile=compiled, num_speculative_tokens=3, timeout=120)
+        with Engine(options) as engine:
+            runs.append(engine.generate(prompts, 16))
+    assert runs[1].tokens == runs[0].tokens and runs[1].proposals == runs[0].proposals
+    assert runs[1].row_metrics == runs[0].row_metrics
+
+
 # vLLM's rules, worked out by hand: q/k/v, gate/up and MLA's q_b/kv_b split their rows evenly; o_proj and down_proj
 # their columns; KV heads fewer than the ranks are replicated (rank r holds head r // (TP / heads)).
 SHARDS = [

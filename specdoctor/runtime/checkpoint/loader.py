@@ -126,6 +126,9 @@ def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[s
             raise CheckpointError(f"{checkpoint.path}: tensor {unknown!r} has unsupported dtype {parts[unknown].dtype}")
         shapes = {part: (info.shape, TORCH_DTYPES[info.dtype]) for part, info in parts.items()}
         if weight.shape != local:  # a TP rank's slice: its parts cut in proportion
+            owner, _, leaf = name.rpartition(".")
+            if f"{leaf}.weight" in getattr(module.get_submodule(owner), "tp_segments", {}):
+                raise CheckpointError(f"{checkpoint.path}: {key}: a packed q | k | v projection is not sliced yet")
             try:
                 if "shape" in weight.parts:
                     with torch.device("cpu"):  # pack_linears runs while the module is built on the meta device

@@ -4,6 +4,8 @@ being dequantised at load (docs/quantization.md §Memory)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,12 +88,31 @@ PART_AXES = {
 }
 
 
+def slice_units(weight: QuantizedWeight) -> tuple[int, int]:
+    """The weight rows and columns a slice must hold whole multiples of: the values one packed word holds along
+    the axis it packs, a scale group, a scale block (vLLM's kernels refuse any other slice)."""
+    per_word = 32 // weight.bits
+    if weight.format == "fp8-block":
+        return weight.block
+    if weight.format == "awq":
+        return per_word, weight.group_size  # words pack the output axis
+    zero_points = "zero_point" in weight.parts  # packed along the output axis too
+    return (per_word if zero_points else 1), math.lcm(per_word, weight.group_size)
+
+
 def sliced_parts(
     weight: QuantizedWeight, parts: dict[str, tuple[tuple[int, ...], torch.dtype]], local: tuple[int, int]
 ) -> tuple[QuantizedWeight, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """The weight of one TP rank's [out, in] slice `local` of it, and its parts' shapes: each part's output and
     input axes cut in proportion (ValueError where words, groups or blocks do not divide so, as vLLM refuses).
     compressed-tensors' `weight_shape`, the whole weight's, is left out (checked against the whole at load)."""
+    for axis, (whole, part, unit) in enumerate(zip(weight.shape, local, slice_units(weight), strict=True)):
+        if part != whole and part % unit:
+            name = ("output", "input")[axis]
+            raise ValueError(
+                f"a rank's {part} {name} values of {whole} are not whole multiples of {unit} (packed words, scale "
+                "groups or blocks); vLLM refuses such a slice too"
+            )
     ratios = (local[0] / weight.shape[0], local[1] / weight.shape[1])
     sliced = {}
     for role, key in weight.parts.items():
