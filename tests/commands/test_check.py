@@ -333,7 +333,8 @@ def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path)
         (("--drafter-policy", "bogus"), "Invalid value for '--drafter-policy'"),
         (("--battery", "/nonexistent/battery.jsonl"), "cannot read battery"),
         (("--tensor-parallel-size", "3", "--repair"), "--tensor-parallel-size 3: 2 KV heads neither divide over"),
-        (("--tp", "2", "--speculative-method", "mtp", "--model", "demo-hybrid"), "does not shard linear-attention"),
+        (("--tp", "4"), "Total number of attention heads (6) must be divisible by tensor parallel size (4)"),
+        (("--tp", "2", "--model", "demo-w4a16"), "input values of 192 are not whole multiples of 64"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
