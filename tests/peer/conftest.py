@@ -33,6 +33,14 @@ def vllm_demo(vllm_python):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def vllm_demo_tp2(vllm_python):
+    """vLLM's server on the demo at TP 2: two CPU workers, each bound to a core."""
+    server = start_or_fail(lambda: VllmServer(DEMO_DIR, K, eager=True, tp=2))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def demo_draft_model(tmp_path_factory):
     """demo-dspark's target cut to its first two of six layers by transformers: a draft model for it."""

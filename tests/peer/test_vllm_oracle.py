@@ -53,6 +53,11 @@ def test_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm
     assert_battery_matches(vllm_demo, RuntimeOptions("demo", num_speculative_tokens=K))
 
 
+def test_at_tp_2_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo_tp2):
+    """vLLM's CPU build at TP 2 (two workers) against our two TP rank processes: same tokens, same counters."""
+    assert_battery_matches(vllm_demo_tp2, RuntimeOptions("demo", tp=2, num_speculative_tokens=K))
+
+
 def test_an_eagle3_head_gives_vllms_tokens_drafts_and_accepted_counts(vllm_eagle3):
     """demo-eagle3's trained head: its aux states, fc, first layer over [embedding, state] and head."""
     runtime = RuntimeOptions("demo-eagle3", speculative_method="eagle3", num_speculative_tokens=K)

@@ -36,6 +36,7 @@ class VllmServer:
         extra_env: dict | None = None,
         eager: bool = False,
         drafter: dict | None = None,
+        tp: int = 1,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,6 +52,11 @@ class VllmServer:
         if eager:
             command += ["--enforce-eager"]
         env = os.environ | SERVER_ENV | (extra_env or {})
+        if tp > 1:
+            # vLLM's CPU workers bind their threads per NUMA node and refuse more workers than nodes ("Not enough
+            # allowed NUMA nodes to bind threads of 2 local CPUWorkers"): one core each, bound by hand.
+            command += ["--tensor-parallel-size", str(tp)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
