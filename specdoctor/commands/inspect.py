@@ -14,6 +14,7 @@ from specdoctor.commands.output import emit_json_or_table
 from specdoctor.report import Finding, findings_table, placement_table
 
 PipelineSizeOption = runtime_field_option("pp")
+TensorParallelOption = runtime_field_option("tp")
 SpeculativeModelOption = runtime_field_option("speculative_model")
 CONFIG_FIELDS = (
     "vocab_size",
@@ -32,17 +33,18 @@ CONFIG_FIELDS = (
 def inspect(
     model: ModelOption,
     pp: PipelineSizeOption = 1,
+    tp: TensorParallelOption = 1,
     speculative_model: SpeculativeModelOption = None,
     json_out: JsonReportOption = None,
 ) -> None:
     """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
-    keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --pp ranks and the
+    keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --tp x --pp ranks and the
     pre-flight's findings."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.drafter.kinds import drafter_kind
 
     checkpoint = Checkpoint(model)
-    summary = summarize(checkpoint, pp, drafter_kind(checkpoint, model, speculative_model))
+    summary = summarize(checkpoint, pp, drafter_kind(checkpoint, model, speculative_model), tp)
     emit_json_or_table(json.dumps(summary, indent=2) + "\n", json_out, lambda console: render_summary(summary, console))
 
 
@@ -53,7 +55,7 @@ def describe(info) -> dict | None:
     return {"key": info.key, "shard": info.shard, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes}
 
 
-def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
+def summarize(checkpoint, pp: int = 1, drafter=None, tp: int = 1) -> dict:
     """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/kinds.py), or None."""
     from dataclasses import asdict
 
@@ -100,7 +102,7 @@ def summarize(checkpoint, pp: int = 1, drafter=None) -> dict:
         "mtp_layer_keys": [*layout.layer_keys, *(k for k in (layout.own_embedding, layout.own_head) if k)],
         "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
         "block_drafter": own_checkpoint_summary(drafter),  # the schema's name for a drafter checkpoint of its own
-        "placement": [placement_row(rank) for rank in ranks],
+        "placement": [placement_row(rank, tp) for rank in ranks],
         "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter)],
     }
 

@@ -11,16 +11,25 @@ Greedy tokens, speculative counters and every draft token proposed must be equal
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime import tensor_parallel
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.drafter.kinds import drafter_kind
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
+from specdoctor.runtime.worker import build_rank
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.draft_models import save_cut_down, save_target
 from tests.helpers.families import PIPELINE_PROMPTS, make_family_checkpoint, plain_greedy, save_dense_checkpoint
+from tests.runtime.test_packed_weights import held_bytes
 
 PADDED_VOCAB = dict(vocab_size=300)  # pads to 320: TP 2 rank 1 holds rows [160, 320), 140 of them real
 
@@ -137,6 +146,25 @@ def test_compiled_tp_2_gives_eager_tp_1s_tokens_and_drafts():
             runs.append(engine.generate(prompts, 16))
     assert runs[1].tokens == runs[0].tokens and runs[1].proposals == runs[0].proposals
     assert runs[1].row_metrics == runs[0].row_metrics
+
+
+def test_the_memory_plan_counts_what_each_tp_rank_builds():
+    """Every TP rank of every stage, built alone in its shapes: the bytes it holds are the plan's for that rank."""
+    checkpoint = Checkpoint("demo")
+    ranks = placements(checkpoint.config, 2, has_drafter=True)
+    options = RuntimeOptions("demo", tp=2, pp=2, num_speculative_tokens=3)
+    plan = plan_memory(checkpoint, ranks, drafter_kind(checkpoint, "demo", None), options, 9, 64)
+    assert [rank.rank for rank in plan.ranks] == [0, 1, 2, 3]
+    try:
+        for rank in range(4):
+            tensor_parallel.use(TensorParallel())  # as a fresh process: build_rank takes the rank's own shapes
+            model, _ = build_rank(options, rank)
+            held = held_bytes(model.stage) + (held_bytes(model.drafter) if model.drafter is not None else 0)
+            assert held == plan.ranks[rank].weights, rank
+    finally:
+        tensor_parallel.use(TensorParallel())
+    whole = plan_memory(checkpoint, ranks, drafter_kind(checkpoint, "demo", None), replace(options, tp=1), 9, 64)
+    assert plan.ranks[2].weights + plan.ranks[3].weights >= whole.ranks[1].weights  # norms and routers replicated
 
 
 # vLLM's rules, worked out by hand: q/k/v, gate/up and MLA's q_b/kv_b split their rows evenly; o_proj and down_proj
