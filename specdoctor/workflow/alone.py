@@ -44,6 +44,8 @@ def run_drafter_rank_alone(report: CheckReport, options, checkpoint, drafter, pl
     skipped = [("the behaviour stage (the battery)", f"it needs the whole model in memory: {plan.shortfall()}")]
     if drafter.taps:
         skipped.append(("the tap probe", "it needs the whole pipeline running"))
+    if options.runtime.tp > 1:  # each TP rank's own slice is not built: a fault of one rank's slice goes unseen
+        skipped.append(("the per-TP-rank measurement", "the drafter's stage was built alone, at TP 1"))
 
     def stage(name: str, policy: str) -> StageResult:
         exam = exam_of(measure_drafter(model), name)

@@ -26,6 +26,7 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
 from specdoctor.runtime.worker import build_rank
+from specdoctor.workflow.check import CheckOptions, run_check
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.draft_models import save_cut_down, save_target
 from tests.helpers.families import PIPELINE_PROMPTS, make_family_checkpoint, plain_greedy, save_dense_checkpoint
@@ -165,6 +166,17 @@ def test_the_memory_plan_counts_what_each_tp_rank_builds():
         tensor_parallel.use(TensorParallel())
     whole = plan_memory(checkpoint, ranks, drafter_kind(checkpoint, "demo", None), replace(options, tp=1), 9, 64)
     assert plan.ranks[2].weights + plan.ranks[3].weights >= whole.ranks[1].weights  # norms and routers replicated
+
+
+def test_a_drafter_stage_built_alone_at_tp_2_says_its_tp_ranks_were_not_measured():
+    """A model larger than the machine (here: a 1 MiB limit) gets the drafter's stage built alone, at TP 1: the
+    per-TP-rank measurement did not run, so the verdict cannot be healthy."""
+    options = CheckOptions(RuntimeOptions("demo", tp=2, pp=2, num_speculative_tokens=3), memory_limit=1 << 20)
+    report = run_check(options, show_progress=False)
+    assert not report.memory["fits"]
+    skipped = [f.message for f in report.stages[0].findings if f.check == "runtime.skipped"]
+    assert any("the per-TP-rank measurement did not run" in message for message in skipped)
+    assert report.exit_code == 1
 
 
 # vLLM's rules, worked out by hand: q/k/v, gate/up and MLA's q_b/kv_b split their rows evenly; o_proj and down_proj
