@@ -152,6 +152,7 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         "settings": {
             "max_tokens": options.max_tokens,
             "batch_size": options.batch_size,
+            "tp": options.runtime.tp,
             "drafter_policy": str(options.runtime.drafter_policy),
             "device": str(options.runtime.device),
             "dtype": str(options.runtime.dtype),

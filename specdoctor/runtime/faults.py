@@ -1,5 +1,6 @@
 """Engine faults the runtime reproduces on demand (`--fault`), each as an engine shipped it, so that `probe`'s
-sweeps are tested against the failure they exist to find (docs/probe.md §Faults).
+sweeps and `check`'s per-TP-rank measurement are tested against the failure they exist to find (docs/probe.md
+§Faults, docs/tensor-parallel.md).
 
   drafter-max-position=N   past N positions every row drafts dummy token 0, as vLLM does once the batch's
                            longest sequence plus k passes a draft's max_model_len (vllm#58080)

@@ -151,7 +151,7 @@ class RuntimeOptions:
     tokenizer: str | None = option(
         None, "--tokenizer", help="A tokenizer.json, or a directory holding one (default: the checkpoint's own)."
     )
-    pp: int = option(1, "--pp", "--pipeline-parallel-size", "-pp", help="Pipeline-parallel ranks (one process each).")
+    pp: int = option(1, "--pp", "--pipeline-parallel-size", "-pp", help="Pipeline stages (--tp processes each).")
     pp_partition: str | None = option(
         None, "--pp-partition", help="Layers per rank, e.g. 14,12,12,7 (default: $VLLM_PP_LAYER_PARTITION, else even)."
     )
@@ -209,7 +209,8 @@ class RuntimeOptions:
         None,
         "--fault",
         help="Reproduce engine faults, comma-separated: drafter-max-position=N, stale-batch-rows, "
-        "prefix-cache-drafter-kv, rejection-reuse-uniform (docs/probe.md).",
+        "prefix-cache-drafter-kv, rejection-reuse-uniform (docs/probe.md); per-rank-sharing, vocab-shard-shifted "
+        "(docs/tensor-parallel.md).",
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")
