@@ -103,8 +103,21 @@ def summarize(checkpoint, pp: int = 1, drafter=None, tp: int = 1) -> dict:
         "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
         "block_drafter": own_checkpoint_summary(drafter),  # the schema's name for a drafter checkpoint of its own
         "placement": [placement_row(rank, tp) for rank in ranks],
-        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter)],
+        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter) + tp_findings(config, tp)],
     }
+
+
+def tp_findings(config, tp: int) -> list:
+    """At --tp > 1, what vLLM refuses of this model's split (check and every runtime command refuse it too)."""
+    from specdoctor.errors import SpecdoctorError
+    from specdoctor.report import Finding
+    from specdoctor.runtime.tensor_parallel import refusal
+
+    if tp < 1:
+        raise SpecdoctorError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    reason = refusal(config, tp)
+    hint = "choose a TP size the heads, KV heads, intermediate sizes and padded vocabulary divide by"
+    return [Finding("placement.tensor_parallel", "error", f"TP {tp}: {reason}", hint, "preflight")] if reason else []
 
 
 def own_checkpoint_summary(drafter) -> dict | None:

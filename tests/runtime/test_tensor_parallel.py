@@ -179,6 +179,19 @@ def test_a_drafter_stage_built_alone_at_tp_2_says_its_tp_ranks_were_not_measured
     assert report.exit_code == 1
 
 
+def test_inspect_shows_each_stages_ranks_and_what_vllm_refuses():
+    from specdoctor.commands.inspect import summarize
+
+    checkpoint = Checkpoint("demo")
+    summary = summarize(checkpoint, 2, drafter_kind(checkpoint, "demo", None), tp=2)
+    assert [row["ranks"] for row in summary["placement"]] == [[0, 1], [2, 3]]
+    assert "placement.tensor_parallel" not in {finding["check"] for finding in summary["preflight"]}
+    findings = summarize(checkpoint, 1, drafter_kind(checkpoint, "demo", None), tp=4)["preflight"]
+    refused = [f["message"] for f in findings if f["check"] == "placement.tensor_parallel"]
+    assert refused == ["TP 4: Total number of attention heads (6) must be divisible by tensor parallel size (4) "
+                       "(vLLM's rule)"]  # fmt: skip
+
+
 # vLLM's rules, worked out by hand: q/k/v, gate/up and MLA's q_b/kv_b split their rows evenly; o_proj and down_proj
 # their columns; KV heads fewer than the ranks are replicated (rank r holds head r // (TP / heads)).
 SHARDS = [
