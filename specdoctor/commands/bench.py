@@ -165,7 +165,8 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
 def bench_table(report: dict) -> Table:
     settings = report["settings"]
     table = Table(
-        title=f"{report['prompts']} prompts x {settings['max_tokens']} tokens, batch {settings['batch_size']}, greedy"
+        title=f"{report['prompts']} prompts x {settings['max_tokens']} tokens, batch {settings['batch_size']}, "
+        f"TP {settings.get('tp', 1)}, greedy"
     )
     columns = ["PP", "k", "tok/s", "speed-up", "accept len", "speed-up / len", "ms/step"]
     columns += ["target", "draft", "transfer", "host", "lossless"]
