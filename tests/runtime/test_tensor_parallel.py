@@ -19,6 +19,7 @@ import torch
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.drafter.kinds import drafter_kind
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.memory import plan_memory
@@ -134,6 +135,20 @@ def test_a_draft_model_at_tp_2_pp_2_gives_tp_1_pp_1s_tokens_and_drafts(tmp_path)
     whole, sharded = runs
     assert sharded.tokens == whole.tokens and sharded.proposals == whole.proposals
     assert sharded.row_metrics == whole.row_metrics and whole.metrics.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_seeded_sampling_at_tp_2_gives_tp_1s_tokens_and_counters():
+    """At temperature 1 every TP rank of the last stage samples and verifies (rejection sampling) alike: the seeded
+    rows draw what TP 1 draws, so tokens, drafts and counters are TP 1's."""
+    prompts = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7, 300, 12]]
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    runs = []
+    for tp in (1, 2):
+        with Engine(RuntimeOptions("demo", tp=tp, pp=2, num_speculative_tokens=3, timeout=60)) as engine:
+            runs.append(engine.generate(prompts, 24, sampling))
+    assert runs[1].tokens == runs[0].tokens and runs[1].proposals == runs[0].proposals
+    assert runs[1].row_metrics == runs[0].row_metrics and runs[0].metrics.num_accepted_tokens > 0
 
 
 @pytest.mark.slow
