@@ -70,7 +70,7 @@ def one_rank() -> RankModel:
     """demo-dspark (a 6-layer target whose DSpark drafter reads target layers 1, 3 and 5) as a one-rank
     pipeline, connected alone (no process group at PP 1)."""
     model, _ = build_rank(RuntimeOptions("demo-dspark", pp=1), 0)
-    model.comm = PipelineComm(0, 1, model.device, 60.0)
+    model.comm = PipelineComm(0, 1, 1, model.device, 60.0)
     return model
 
 
