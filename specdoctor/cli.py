@@ -1,10 +1,12 @@
 """Command-line entry point: registers one command per module of `specdoctor.commands`.
 
-Exit codes: 0 healthy, 1 findings, 2 bad usage or unreadable input (one line on stderr, no traceback).
+Exit codes: 0 healthy, 1 findings, 2 bad usage or unreadable input (one line on stderr, no traceback);
+130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -66,7 +68,20 @@ def fail(message: str, partial: Report | None = None) -> None:
     sys.exit(2)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so the same clean-up (stopping the
+    ranks, closing files) runs for both, wherever the command was (loading, compiling, decoding, serving)."""
+
+    received = False  # typer turns both into exit code 130; this tells them apart
+
+
+def raise_terminated(_signum, _frame) -> None:
+    Terminated.received = True
+    raise Terminated
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         code = app(standalone_mode=False)
     except SpecdoctorError as err:
@@ -76,6 +91,7 @@ def main() -> None:
         sys.exit(2)
     except click_exceptions.UsageError as err:  # a bad or missing flag: one line, as for every other user error
         fail(err.format_message())
-    except typer.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+    except (typer.Abort, KeyboardInterrupt):  # one that arrived outside the command (typer's own code)
+        code = 130
+    code = code if isinstance(code, int) else 0
+    sys.exit(143 if code == 130 and Terminated.received else code)

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from specdoctor.commands.options import runtime_command
 from specdoctor.errors import SpecdoctorError
@@ -38,7 +39,8 @@ class ServeOptions:
     max_waiting: int = 256
 
 
-@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True)  # k: MTP 3, DSpark its block size
+# k: MTP 3, DSpark its block size; compiled, as vLLM serves by default (docs/performance.md: start-up times)
+@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True, compile=True)
 def serve(
     runtime: RuntimeOptions,
     host: HostOption = "127.0.0.1",
@@ -85,6 +87,8 @@ def run_serve(options: ServeOptions) -> None:
     placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
     check_port_free(options.host, options.port)
+    name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
+    console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
     engine = Engine(runtime, checkpoint, show_progress=True)
     runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:
@@ -94,12 +98,7 @@ def run_serve(options: ServeOptions) -> None:
         if errors and not options.allow_unhealthy:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
         if runtime.compile:
-            with console.status("--compile: compiling the decode step for batch 1 and larger batches"):
-                # Batch 1, then the graphs every larger batch shares, then a full batch (where an MoE
-                # layer may switch from gathered experts to every expert: another graph).
-                for batch in sorted({1, 2, options.max_num_seqs}):
-                    engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=runtime.num_speculative_tokens)
-        name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
+            compile_step(engine, options.max_num_seqs, console)
         speculative = runtime.num_speculative_tokens > 0
         metrics = ServerMetrics(name, speculative)
         template = chat_template(checkpoint.path)
@@ -111,6 +110,29 @@ def run_serve(options: ServeOptions) -> None:
             f"k {runtime.num_speculative_tokens})",
             highlight=False,
         )
-        uvicorn.run(create_app(state), host=options.host, port=options.port, log_level="warning")
+        # Stopping waits this long for open streams, then closes them (uvicorn would wait for them to end).
+        uvicorn.run(
+            create_app(state), host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (loading, checking, compiling): stop at once
+        engine.close(grace_s=0)
+        raise
     finally:
         engine.close()
+
+
+def compile_step(engine, max_num_seqs: int, console: Console) -> None:
+    """--compile: run each batch shape a request can meet once before listening, so no request waits for a
+    compile; shown with the time each takes (minutes from a cold compile cache, seconds from a warm one). Batch
+    1, then the graphs every larger batch shares, then a full batch (where an MoE layer may switch from gathered
+    experts to every expert: another graph)."""
+    from specdoctor.runtime.compile import graph_cache_dir
+
+    k = engine.options.num_speculative_tokens
+    console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for batch in sorted({1, 2, max_num_seqs}):
+            task = progress.add_task(f"batch {batch}", total=1)
+            engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=k)
+            progress.update(task, completed=1)

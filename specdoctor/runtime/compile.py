@@ -13,9 +13,15 @@ batch, and packed quantised experts at any size; the floating-point demos' never
 MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
 (`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips
 CUDA graphs for graphs that mutate their inputs.
+
+Compiled graphs persist in the user's cache directory (`graph_cache_dir`), so only the first start with a
+model pays for compiling; later starts trace the step and load the kernels (docs/performance.md: start-up).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -28,10 +34,24 @@ DECODE_POSITIONS = MAX_SPECULATIVE_TOKENS + 1
 RECOMPILE_LIMIT = 32
 
 
+def graph_cache_dir() -> Path:
+    """Where compiled graphs are kept: TORCHINDUCTOR_CACHE_DIR where the user set it, else
+    $XDG_CACHE_HOME/specdoctor/compile/torch-VERSION (Inductor's default, /tmp, is emptied at reboot). Inside it
+    Inductor keys each graph by its code, shapes, dtypes and device, so by model too (parameters are inputs)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # Inductor writes its default there once it has looked
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "specdoctor" / "compile" / f"torch-{torch.__version__}"
+
+
 def compile_decode(module: torch.nn.Module) -> None:
     """Route `module.run_layers` (its first argument [B, T, ...]) through torch.compile for decode passes."""
     import torch._dynamo
 
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
     eager = module.run_layers
     # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets

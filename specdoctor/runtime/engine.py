@@ -32,7 +32,7 @@ from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.drafter.kinds import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
-from specdoctor.runtime.launch import free_port, process_state, rank_context
+from specdoctor.runtime.launch import free_port, process_state, rank_context, stop_signals_held
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import TapReading
@@ -90,14 +90,15 @@ class Engine:
         self._closed = False
         self.continuous_k = 0  # the speculative tokens of continuous batching, once started
         self.rank_info: list[dict] = [{} for _ in range(world)]
-        for process in self._processes:
-            process.start()
-        for _, writer in pipes:
-            writer.close()  # only the rank holds its write end now, so its exit reads as end-of-file
         try:
+            with stop_signals_held():
+                for process in self._processes:
+                    process.start()
+            for _, writer in pipes:
+                writer.close()  # only the rank holds its write end now, so its exit reads as end-of-file
             self._wait_until_ready(show_progress)
         except BaseException:
-            self.close()
+            self.close(grace_s=0)  # ranks still loading would only read "shutdown" once loaded
             raise
 
     @property
@@ -265,17 +266,19 @@ class Engine:
         pids = ", ".join(str(pid) for pid in self.rank_pids)
         raise PipelineError(f"no reply from the pipeline for {silent_for:.0f} s; its ranks (pids {pids}) are alive")
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 10.0) -> None:
+        """Ask the ranks to shut down and give them `grace_s` to do so; then (at once for a failed pipeline, which
+        holds nothing worth a clean exit) stop them."""
+        started = [process for process in self._processes if process.pid is not None]  # stopped while starting
         healthy = not self._closed and all(p.exitcode is None for p in self._processes)
         if healthy:
             self._inbox.put(("shutdown", None))
         self._closed = True
         self._inbox.cancel_join_thread()  # a dead first rank never reads; do not block this process's exit
-        # A failed pipeline holds nothing worth a clean exit: its ranks are stopped at once.
-        deadline = time.time() + (10 if healthy else 0)
-        for process in self._processes:
+        deadline = time.time() + (grace_s if healthy else 0)
+        for process in started:
             process.join(timeout=max(0.1, deadline - time.time()))
-        for process in self._processes:
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
@@ -283,5 +286,6 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *_) -> None:
+        # Stopped by Ctrl-C or SIGTERM: a rank busy in a long step (compiling) would not read "shutdown" for minutes.
+        self.close(grace_s=0 if kind is not None and issubclass(kind, KeyboardInterrupt) else 10)

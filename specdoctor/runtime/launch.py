@@ -3,8 +3,11 @@ what Linux says of a process (stopped or running)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import signal
 import socket
+import threading
 
 
 def free_port() -> int:
@@ -19,7 +22,24 @@ def rank_context():
     never touches a device, so forking from it is as safe as spawning; it ends with this process."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["specdoctor.runtime.fork_preload"])
+    start_fork_server()
     return context
+
+
+def start_fork_server() -> None:
+    """Started with SIGINT ignored, which a new process keeps: Ctrl-C reaches the terminal's whole process group,
+    and the fork server, importing the runtime for seconds, would print a traceback (its ranks ignore SIGINT too:
+    the controller stops them)."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def process_state(pid: int) -> str | None:
@@ -29,3 +49,24 @@ def process_state(pid: int) -> str | None:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Ctrl-C or SIGTERM while a rank process is being made would leave it half-made: its pid not yet known to
+    this process (so never stopped), it fails reading its arguments once this process is gone and prints a
+    traceback. Caught here (masking would not do: another thread takes the signal for the interpreter), they are
+    raised again once every rank has started, and stopping then stops them all."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    caught: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda number, _frame: caught.append(number)) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in caught[:1]:
+            signal.raise_signal(signum)

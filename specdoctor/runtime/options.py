@@ -221,8 +221,10 @@ class RuntimeOptions:
     )
     compile: bool = option(
         False,
-        "--compile",
-        help="Compile each rank's decode step with torch.compile (fused kernels; compiling takes a while at start).",
+        "--compile/--no-compile",
+        " /--enforce-eager",
+        help="Compile each rank's decode step with torch.compile (fused kernels; the graphs are kept in the compile "
+        "cache, so only the first start with a model compiles for long). --enforce-eager is vLLM's --no-compile.",
     )
     timeout: float = option(60.0, "--timeout", help="Seconds a rank waits on a peer before failing.")
 

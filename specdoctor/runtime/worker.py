@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -183,15 +184,30 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
+def no_shared_progress_lock() -> None:
+    """Inductor's compile shows tqdm bars, and tqdm makes a cross-process lock for them on first use: a rank that
+    ends without Python's exit handlers (os._exit below, or stopped by a signal) leaves that lock behind and the
+    controller's resource tracker warns of a leak at exit. A rank's bars share no lock with other processes."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:
+        return
+    TqdmDefaultWriteLock.mp_lock = None
+
+
 def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, environment: dict[str, str]) -> None:
     """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller.
     `environment`: the controller's, as it was when the engine started (the fork server's is older)."""
+    # Ctrl-C reaches every process of the terminal's group: the controller stops the ranks, so a rank
+    # interrupted on its own would only print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(environment)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (options.pp * options.tp)))
     keep_freed_memory_mapped()
+    no_shared_progress_lock()
     model = None
     parent = os.getppid()
 
@@ -213,20 +229,28 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, env
             except queue.Empty:
                 return [message for message in messages if message[0] != "noop"]
 
+    def report(kind: str, payload) -> None:
+        try:
+            replies.send((kind, rank, payload))
+        except (BrokenPipeError, ConnectionResetError):  # the controller is gone (stopped): no one to tell
+            pass
+
     try:
         model, info = load_rank(options, rank)
         replies.send(("ready", rank, info))
         first = rank == 0
         reply = lambda kind, payload: replies.send((kind, rank, payload))  # noqa: E731
         serve(model, next_command if first else None, reply, poll if first else None)
+    except (BrokenPipeError, ConnectionResetError):  # the controller stopped while this rank worked (compiling)
+        raise SystemExit(1) from None
     except PipelineError as err:  # a peer failed or hung: the peer's own report names the cause
-        replies.send(("peer_error", rank, str(err)))
+        report("peer_error", str(err))
         raise SystemExit(1) from None
     except SpecdoctorError as err:
-        replies.send(("error", rank, str(err)))
+        report("error", str(err))
         raise SystemExit(1) from None
     except Exception as err:  # an unexpected failure: keep the traceback for whoever reads the logs
-        replies.send(("error", rank, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        report("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
     finally:
         if model is not None:

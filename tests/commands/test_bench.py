@@ -19,7 +19,7 @@ def two_prompts(tmp_path_factory):
 
 def test_bench_compares_speculative_with_plain_decoding_per_pipeline_size(two_prompts, tmp_path):
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", "demo", "--pp", "1", "--pp", "2", "--num-speculative-tokens", "2"]
+    args = ["bench", "--model", "demo", "--pp", "1", "--pp", "2", "--num-speculative-tokens", "2", "--no-compile"]
     result = specdoctor(*args, "--max-tokens", "12", "--battery", str(two_prompts), "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "speed-up" in result.stdout and "lossless" in result.stdout
@@ -41,6 +41,13 @@ def test_bench_compares_speculative_with_plain_decoding_per_pipeline_size(two_pr
     assert plain["mean_acceptance_length"] == 1.0 and speculative["mean_acceptance_length"] > 1.4
     assert speculative["steps"] < plain["steps"]  # accepted drafts mean fewer steps for the same tokens
     assert speculative["speedup"] == pytest.approx(speculative["tokens_per_s"] / plain["tokens_per_s"])
+    # The bound: the acceptance length times the plain pass over the verify pass and the k draft steps, per step.
+    split, plain_split = speculative["last_rank_ms_per_step"], plain["last_rank_ms_per_step"]
+    allowed = speculative["mean_acceptance_length"] * plain_split["target"] / (split["target"] + split["draft"])
+    assert speculative["speedup_bound"] == pytest.approx(allowed)
+    assert speculative["speedup_of_bound"] == pytest.approx(speculative["speedup"] / allowed)
+    assert speculative["draft_step_ms"] == pytest.approx(split["draft"] / 2)
+    assert "bound" in result.stdout and "eager" in result.stdout
 
 
 def test_bench_rejects_a_zero_batch_size():

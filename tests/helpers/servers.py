@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -20,11 +21,15 @@ def free_port() -> int:
 class SpecdoctorServer:
     """`specdoctor serve ARGS` on a free port, up once /health answers 200."""
 
-    def __init__(self, *args: str, model: str = "demo", start_timeout_s: float = 120):
+    def __init__(self, *args: str, model: str = "demo", start_timeout_s: float = 120, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if not {"--compile", "--no-compile", "--enforce-eager"} & set(args):
+            args = ("--no-compile", *args)  # eager unless asked: a cold compile takes minutes on 2 cores
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env and {**os.environ, **env}
+        )
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:
             try:

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Acceptance on real GPUs, one command: every demo at PP 1/2/4 with NCCL, lossless against the CPU, acceptance
+# per position and tokens/s as JSON (benchmarks/gpu_acceptance.py says what and how). Exits 2 without a GPU;
+# --device cpu runs the same path on the CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python -m benchmarks.gpu_acceptance "$@"

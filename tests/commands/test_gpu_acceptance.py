@@ -1,0 +1,47 @@
+"""`benchmarks/gpu_acceptance.sh`, the one command for real GPUs: without one it says so and exits 2; with
+`--device cpu` the same path runs on the CPU and writes the JSON a GPU run writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_acceptance.sh"
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = run_script("--json", str(out))
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.count("\n") == 1 and "no CUDA GPU" in result.stdout and not result.stderr
+    assert not out.exists()
+
+
+def test_on_the_cpu_it_checks_every_pp_size_against_plain_and_the_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = run_script(
+        "--device", "cpu", "--demos", "demo", "--pp", "1", "2", "--max-tokens", "16", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["kernels"] == "torch"
+    rows = report["rows"]
+    assert [(row["model"], row["pp"], row["k"]) for row in rows] == [("demo", 1, 3), ("demo", 2, 3)]
+    for row in rows:
+        assert row["lossless"] and row["plain_matches_cpu"] and row["drafter_tensors_measured"] > 0
+        rates = row["acceptance_per_position"]
+        assert len(rates) == 3 and all(0 <= rate <= 1 for rate in rates) and rates[0] > 0.5
+        # vLLM's two counters agree: the mean length is 1 (the bonus token) plus the per-position rates.
+        assert row["mean_acceptance_length"] == pytest.approx(1 + sum(rates))
+        assert row["speculative_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
+    # PP 2 accepts exactly what PP 1 accepts: the same greedy drafts on the same text.
+    assert rows[0]["acceptance_per_position"] == rows[1]["acceptance_per_position"]

@@ -1,0 +1,103 @@
+"""Stopping `specdoctor serve` with SIGTERM (a service manager, `kill`) or Ctrl-C (SIGINT to the terminal's whole
+process group) at any point: before it serves (loading, compiling) it exits at once with 143 or 130; while it
+serves it shuts down as uvicorn does, with 0 (open streams closed). Either way every rank stops and nothing
+prints a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.helpers.servers import free_port
+from tests.helpers.waiting import alive, wait_for
+
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class Serve:
+    """`specdoctor serve` in a session of its own (so a signal can go to its process group, as a terminal's
+    Ctrl-C does), its stderr collected line by line."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = free_port()
+        command = [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--port", str(self.port), *args]
+        self.process = subprocess.Popen(
+            command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        self.stderr: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
+        self.reader.start()
+
+    def wait_for_line(self, text: str, timeout_s: float) -> None:
+        wait_for(lambda: "".join(self.stderr), lambda seen: text in seen, timeout_s, f"{text!r} on stderr")
+
+    def group_left(self) -> list[int]:
+        """The processes of the server's group still running: its fork server, ranks and compile workers."""
+        group = self.process.pid  # a session of its own: its leader's pid is the group's id
+        return [pid for pid in all_pids() if process_group(pid) == group and alive(pid)]
+
+    def stop(self, signum: int, whole_group: bool) -> tuple[int, str]:
+        if whole_group:
+            os.killpg(self.process.pid, signum)
+        else:
+            self.process.send_signal(signum)
+        code = self.process.wait(timeout=30)
+        self.reader.join(timeout=10)
+        return code, "".join(self.stderr)
+
+
+def all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def assert_stopped_cleanly(server: Serve, signum: int, whole_group: bool, serving: bool = False) -> None:
+    code, stderr = server.stop(signum, whole_group)
+    assert code == (0 if serving else EXIT_CODES[signum]), stderr
+    assert "Traceback" not in stderr and "Error" not in stderr and "leaked" not in stderr, stderr
+    wait_for(server.group_left, lambda left: not left, 15, "every process the server started to exit")
+
+
+# (signal, sent to the whole process group as a terminal does, or to the server alone as `kill` does)
+SIGNALS = [(signal.SIGTERM, False), (signal.SIGINT, True)]
+
+
+@pytest.mark.parametrize(("signum", "whole_group"), SIGNALS)
+def test_stopped_while_loading(signum, whole_group):
+    server = Serve("--no-compile")
+    server.wait_for_line("loading demo", 60)
+    assert_stopped_cleanly(server, signum, whole_group)
+
+
+@pytest.mark.slow  # about 40 s each: Inductor's first generated code comes after half a minute of tracing
+@pytest.mark.parametrize(("signum", "whole_group"), SIGNALS)
+def test_stopped_while_compiling_from_a_cold_cache(signum, whole_group, tmp_path):
+    server = Serve(env={"XDG_CACHE_HOME": str(tmp_path)})  # compiled by default; from an empty cache: minutes
+    server.wait_for_line("compiling the decode step", 60)
+    wait_for(lambda: list(tmp_path.rglob("*.py")), bool, 60, "Inductor to write its first generated code")
+    assert_stopped_cleanly(server, signum, whole_group)
+
+
+@pytest.mark.parametrize(("signum", "whole_group"), SIGNALS)
+def test_stopped_while_streaming(signum, whole_group):
+    server = Serve("--no-compile")
+    server.wait_for_line("serving demo", 60)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"prompt": "def f(x):\n", "max_tokens": 1900, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(lines)  # a token has been decoded; the request is in the running batch
+        assert_stopped_cleanly(server, signum, whole_group, serving=True)
