@@ -5,7 +5,7 @@ one, and eager (`--no-compile`), one server at a time.
 
 Each start is timed from launching the process to its first /health 200, which comes after the ranks have
 loaded, the drafter was checked and, compiled, every batch shape a request can meet was compiled. The cold start
-uses an empty cache directory (XDG_CACHE_HOME); the warm starts reuse it. Median of the warm and eager rounds.
+uses an empty cache directory (TORCHINDUCTOR_CACHE_DIR); the warm starts reuse it. Median of the warm and eager rounds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ COLD_START_TIMEOUT_S = 1800  # minutes of Inductor on 2 cores
 def start_seconds(model: str, cache: Path, *flags: str) -> float:
     began = time.perf_counter()
     server = SpecdoctorServer(
-        *flags, model=model, start_timeout_s=COLD_START_TIMEOUT_S, env={"XDG_CACHE_HOME": str(cache)}
+        *flags, model=model, start_timeout_s=COLD_START_TIMEOUT_S, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     )
     seconds = time.perf_counter() - began
     server.stop()

@@ -2,7 +2,7 @@
 top-level ops per step (the profiler's count, deterministic where seconds are noisy), ms per step, the
 speculative speed-up and its ratio to the mean acceptance length, and the plain step against the
 weight-streaming floor (the bytes one plain step must read, at this machine's measured copy bandwidth).
-For PP 4 use `specdoctor bench --pp 4 [--compile]`.
+For PP 4 use `specdoctor bench --pp 4 [--no-compile]`.
 
     python -m benchmarks.step_profile [--rounds 3] [--max-tokens 64] [--json runs/step_profile.json]
 """

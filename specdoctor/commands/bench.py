@@ -101,12 +101,21 @@ def phase_ms(run: Measurement) -> dict[str, float]:
     return {phase: 1000 * last[f"{phase}_s"] / steps for phase in PHASES}
 
 
-def speedup_bound(k: int, length: float, run: Measurement, plain: Measurement) -> float:
-    """What the model's own costs allow: L × t_plain ÷ (t_verify + k × t_draft), from the plain step's pass, the
-    verify pass and the k draft steps as measured; the gap to the measured speed-up is the runtime's overhead
-    (host work between steps, transfers, prefill, messages)."""
-    spent = phase_ms(run)
-    return length * phase_ms(plain)["target"] / (spent["target"] + spent["draft"]) if k else 1.0
+def pass_ms(run: Measurement) -> float:
+    """The target's pass per decode step through the whole pipeline: every stage's target time, one after the
+    other (a step's pass goes stage by stage), with the last stage's head and decision."""
+    steps = max(1.0, run.rank_times[-1]["steps"])
+    return 1000 * sum(stage["target_s"] for stage in run.rank_times) / steps
+
+
+def speedup_bound(k: int, length: float, run: Measurement, plain: Measurement) -> float | None:
+    """What the model's own costs allow: L × t_plain ÷ (t_verify + k × t_draft), from the plain pass, the verify
+    pass and the k draft steps as measured; the gap to the measured speed-up is the runtime's overhead (host work
+    between steps, transfers, prefill, messages). None when no decode step ran (every prompt ended at once)."""
+    spent = pass_ms(run) + phase_ms(run)["draft"]
+    if not k:
+        return 1.0
+    return length * pass_ms(plain) / spent if spent and pass_ms(plain) else None
 
 
 def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
@@ -127,7 +136,7 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
         "num_drafts": run.metrics.num_drafts,
         "speedup_per_acceptance_length": speedup / length,
         "speedup_bound": bound,
-        "speedup_of_bound": speedup / bound,
+        "speedup_of_bound": speedup / bound if bound else None,
         "draft_step_ms": split["draft"] / k if k else 0.0,
         "lossless": run.tokens == plain.tokens,
         "steps": int(steps),
@@ -156,10 +165,11 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         for pp in options.pp_sizes:
             runtime = dataclasses.replace(options.runtime, pp=pp)
             with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
-                # A short run per k first: the first call pays one-off allocations, lazy imports and, with
-                # --compile, the compiling of each k's shapes.
+                # A short run per k and batch size first: the first call pays one-off allocations, lazy imports
+                # and, compiled, the compiling of its shapes (a last, smaller batch may have shapes of its own).
                 for k in [0, *ks]:
-                    engine.generate(prompts[: options.batch_size], 4, num_speculative_tokens=k)
+                    for batch in {options.batch_size, len(prompts) % options.batch_size or options.batch_size}:
+                        engine.generate(prompts[:batch], 4, num_speculative_tokens=k)
                 plain = measure(engine, prompts, 0, options, lambda: progress.advance(task))
                 rows.append(bench_row(pp, 0, plain, plain))
                 for k in ks:
@@ -201,14 +211,14 @@ def bench_table(report: dict) -> Table:
             f"{row['tokens_per_s']:.1f}",
             f"{row['speedup']:.2f}x",
             f"{row['mean_acceptance_length']:.2f}",
-            f"{row['speedup_bound']:.2f}x",
-            f"{row['speedup_of_bound']:.2f}",
+            f"{row['speedup_bound']:.2f}x" if row["speedup_bound"] else "-",
+            f"{row['speedup_of_bound']:.2f}" if row["speedup_of_bound"] else "-",
             f"{row['step_ms']:.2f}",
             *(f"{split[phase]:.2f}" for phase in PHASES),
             "yes" if row["lossless"] else "NO",
         )
     table.caption = (
         "target/draft/transfer/host: ms per decode step on the last rank (transfer includes waiting for peers); "
-        "bound: acceptance length × plain target ms ÷ (target + draft ms), what the model's passes allow"
+        "bound: acceptance length × plain pass ÷ (verify pass + draft), the passes summed over the stages"
     )
     return table

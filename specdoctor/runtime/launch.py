@@ -29,14 +29,16 @@ def rank_context():
 def start_fork_server() -> None:
     """Started with SIGINT ignored, which a new process keeps: Ctrl-C reaches the terminal's whole process group,
     and the fork server, importing the runtime for seconds, would print a traceback (its ranks ignore SIGINT too:
-    the controller stops them)."""
+    the controller stops them). A Ctrl-C in the moment it takes to launch it is lost."""
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+    previous = signal.getsignal(signal.SIGINT)
+    # Only the main thread sets handlers; one installed outside Python (None) could not be put back.
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         forkserver.ensure_running()
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -57,13 +59,16 @@ def stop_signals_held():
     this process (so never stopped), it fails reading its arguments once this process is gone and prints a
     traceback. Caught here (masking would not do: another thread takes the signal for the interpreter), they are
     raised again once every rank has started, and stopping then stops them all."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.getsignal(signum) for signum in stops}
+    # Only the main thread sets handlers; one installed outside Python (None) could not be put back.
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
         yield
         return
     caught: list[int] = []
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.signal(signum, lambda number, _frame: caught.append(number)) for signum in stops}
     try:
+        for signum in stops:  # the holding handler only records, so nothing raises while handlers change
+            signal.signal(signum, lambda number, _frame: caught.append(number))
         yield
     finally:
         for signum, handler in previous.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -184,6 +185,10 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
+class ControllerGone(Exception):
+    """The controller's end of this rank's reply pipe is closed: it was stopped."""
+
+
 def no_shared_progress_lock() -> None:
     """Inductor's compile shows tqdm bars, and tqdm makes a cross-process lock for them on first use: a rank that
     ends without Python's exit handlers (os._exit below, or stopped by a signal) leaves that lock behind and the
@@ -229,19 +234,22 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, env
             except queue.Empty:
                 return [message for message in messages if message[0] != "noop"]
 
-    def report(kind: str, payload) -> None:
+    def reply(kind: str, payload) -> None:
         try:
             replies.send((kind, rank, payload))
-        except (BrokenPipeError, ConnectionResetError):  # the controller is gone (stopped): no one to tell
-            pass
+        except (BrokenPipeError, ConnectionResetError):  # the controller stopped while this rank worked
+            raise ControllerGone from None
+
+    def report(kind: str, payload) -> None:
+        with contextlib.suppress(ControllerGone):  # no one left to tell
+            reply(kind, payload)
 
     try:
         model, info = load_rank(options, rank)
-        replies.send(("ready", rank, info))
+        reply("ready", info)
         first = rank == 0
-        reply = lambda kind, payload: replies.send((kind, rank, payload))  # noqa: E731
         serve(model, next_command if first else None, reply, poll if first else None)
-    except (BrokenPipeError, ConnectionResetError):  # the controller stopped while this rank worked (compiling)
+    except ControllerGone:  # stopped by a signal (the controller ends at once): nothing to say
         raise SystemExit(1) from None
     except PipelineError as err:  # a peer failed or hung: the peer's own report names the cause
         report("peer_error", str(err))

@@ -41,9 +41,14 @@ def test_bench_compares_speculative_with_plain_decoding_per_pipeline_size(two_pr
     assert plain["mean_acceptance_length"] == 1.0 and speculative["mean_acceptance_length"] > 1.4
     assert speculative["steps"] < plain["steps"]  # accepted drafts mean fewer steps for the same tokens
     assert speculative["speedup"] == pytest.approx(speculative["tokens_per_s"] / plain["tokens_per_s"])
-    # The bound: the acceptance length times the plain pass over the verify pass and the k draft steps, per step.
-    split, plain_split = speculative["last_rank_ms_per_step"], plain["last_rank_ms_per_step"]
-    allowed = speculative["mean_acceptance_length"] * plain_split["target"] / (split["target"] + split["draft"])
+
+    # The bound: the acceptance length times the plain pass over the verify pass and the k draft steps, per step,
+    # each pass through both stages (rank_times holds each stage's seconds; steps are counted on the last).
+    def pass_ms(row):
+        return 1000 * sum(stage["target_s"] for stage in row["rank_times"]) / row["steps"]
+
+    split = speculative["last_rank_ms_per_step"]
+    allowed = speculative["mean_acceptance_length"] * pass_ms(plain) / (pass_ms(speculative) + split["draft"])
     assert speculative["speedup_bound"] == pytest.approx(allowed)
     assert speculative["speedup_of_bound"] == pytest.approx(speculative["speedup"] / allowed)
     assert speculative["draft_step_ms"] == pytest.approx(split["draft"] / 2)
@@ -54,3 +59,15 @@ def test_bench_rejects_a_zero_batch_size():
     result = specdoctor("bench", "--model", "demo", "--batch-size", "0")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--batch-size" in result.stderr
+
+
+def test_a_run_without_decode_steps_has_no_bound(two_prompts, tmp_path):
+    """--max-tokens 1: the prompt pass makes the only token, no step runs, so there is nothing to bound."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "demo", "--num-speculative-tokens", "2", "--no-compile", "--max-tokens", "1"]
+    result = specdoctor(*args, "--battery", str(two_prompts), "--json", str(out))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    speculative = json.loads(out.read_text())["rows"][1]
+    assert (
+        speculative["tokens"] == 2 and speculative["speedup_bound"] is None and speculative["speedup_of_bound"] is None
+    )

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_acceptance.sh"
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

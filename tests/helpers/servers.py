@@ -28,7 +28,7 @@ class SpecdoctorServer:
             args = ("--no-compile", *args)  # eager unless asked: a cold compile takes minutes on 2 cores
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env and {**os.environ, **env}
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:

@@ -29,7 +29,7 @@ class Serve:
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--port", str(self.port), *args]
         self.process = subprocess.Popen(
             command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})},
+            env={**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, **(env or {})},
         )  # fmt: skip
         self.stderr: list[str] = []
         self.reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
