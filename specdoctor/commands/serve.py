@@ -110,9 +110,15 @@ def run_serve(options: ServeOptions) -> None:
             f"k {runtime.num_speculative_tokens})",
             highlight=False,
         )
-        uvicorn.run(create_app(state), host=options.host, port=options.port, log_level="warning")
+        # Stopping waits this long for open streams, then closes them (uvicorn would wait for them to end).
+        uvicorn.run(
+            create_app(state), host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (loading, checking, compiling): stop at once
+        engine.close(grace_s=0)
+        raise
     finally:
-        engine.close()  # at once when Ctrl-C or SIGTERM stopped it before serving (loading, checking, compiling)
+        engine.close()
 
 
 def compile_step(engine, max_num_seqs: int, console: Console) -> None:

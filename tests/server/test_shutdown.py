@@ -1,6 +1,6 @@
 """Stopping `specdoctor serve` with SIGTERM (a service manager, `kill`) or Ctrl-C (SIGINT to the terminal's whole
 process group) at any point: before it serves (loading, compiling) it exits at once with 143 or 130; while it
-serves it shuts down as uvicorn does, with 0 (requests in flight finish first). Either way every rank stops and nothing
+serves it shuts down as uvicorn does, with 0 (open streams closed). Either way every rank stops and nothing
 prints a traceback."""
 
 from __future__ import annotations
