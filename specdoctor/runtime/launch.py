@@ -32,8 +32,16 @@ def start_fork_server() -> None:
     the controller stops them). A Ctrl-C in the moment it takes to launch it is lost."""
     from multiprocessing import forkserver
 
-    with handlers_replaced({signal.SIGINT: signal.SIG_IGN}):
+    previous = signal.getsignal(signal.SIGINT)
+    # Only the main thread sets handlers; one installed outside Python (None) could not be put back.
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         forkserver.ensure_running()
+        return
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def process_state(pid: int) -> str | None:
@@ -46,36 +54,24 @@ def process_state(pid: int) -> str | None:
 
 
 @contextlib.contextmanager
-def handlers_replaced(handlers: dict):
-    """These signal handlers for the block, the previous ones back after it; left alone outside the main thread
-    (the only one that sets handlers) and where one was installed outside Python (None: it could not be put back)."""
-    previous = {signum: signal.getsignal(signum) for signum in handlers}
-    if threading.current_thread() is not threading.main_thread() or None in previous.values():
-        yield
-        return
-    try:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-@contextlib.contextmanager
 def stop_signals_held():
     """Ctrl-C or SIGTERM while a rank process is being made would leave it half-made: its pid not yet known to
     this process (so never stopped), it fails reading its arguments once this process is gone and prints a
     traceback. Caught here (masking would not do: another thread takes the signal for the interpreter), they are
     raised again once every rank has started, and stopping then stops them all."""
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.getsignal(signum) for signum in stops}
+    # Only the main thread sets handlers; one installed outside Python (None) could not be put back.
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield
+        return
     caught: list[int] = []
-
-    def hold(signum, _frame) -> None:  # only records, so nothing raises while handlers change
-        caught.append(signum)
-
     try:
-        with handlers_replaced({signal.SIGINT: hold, signal.SIGTERM: hold}):
-            yield
+        for signum in stops:  # the holding handler only records, so nothing raises while handlers change
+            signal.signal(signum, lambda number, _frame: caught.append(number))
+        yield
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for signum in caught[:1]:
             signal.raise_signal(signum)
