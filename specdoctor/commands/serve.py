@@ -68,14 +68,12 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def run_serve(options: ServeOptions) -> None:
-    import uvicorn
-
     from specdoctor.runtime.checkpoint.files import DEMO_MODELS
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.partition import placements
-    from specdoctor.server.app import ServerState, create_app
+    from specdoctor.server.app import ServerState, serve_http
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template
     from specdoctor.workflow.drafter import startup_check
@@ -110,10 +108,7 @@ def run_serve(options: ServeOptions) -> None:
             f"k {runtime.num_speculative_tokens})",
             highlight=False,
         )
-        # Stopping waits this long for open streams, then closes them (uvicorn would wait for them to end).
-        uvicorn.run(
-            create_app(state), host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=5
-        )
+        serve_http(state, options.host, options.port)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (loading, checking, compiling): stop at once
         engine.close(grace_s=0)
         raise

@@ -27,21 +27,18 @@ def rank_context():
 
 
 def start_fork_server() -> None:
-    """Started with SIGINT ignored, which a new process keeps: Ctrl-C reaches the terminal's whole process group,
-    and the fork server, importing the runtime for seconds, would print a traceback (its ranks ignore SIGINT too:
-    the controller stops them). A Ctrl-C in the moment it takes to launch it is lost."""
-    from multiprocessing import forkserver
+    """Started with SIGINT blocked, which a new process inherits: Ctrl-C reaches the terminal's whole process
+    group, and the fork server, importing the runtime for seconds, would otherwise print a traceback (once
+    imported it ignores SIGINT; its ranks do too: the controller stops them). Blocked, not ignored, here: a Ctrl-C
+    in the moment it takes to launch stays pending and is raised once launched, not lost."""
+    from multiprocessing import forkserver, resource_tracker
 
-    previous = signal.getsignal(signal.SIGINT)
-    # Only the main thread sets handlers; one installed outside Python (None) could not be put back.
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        forkserver.ensure_running()
-        return
+    resource_tracker.ensure_running()  # first: launching it unblocks SIGINT, which the fork server would inherit
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def process_state(pid: int) -> str | None:

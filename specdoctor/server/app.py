@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.decode.sampling import SamplingParams
@@ -34,8 +36,33 @@ class ServerState:
     max_waiting: int = 256  # requests queued for a place at most
 
 
-def create_app(state: ServerState) -> FastAPI:
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) first ends the requests in flight: uvicorn would wait
+    for open streams to finish, however long, or cancel them past a timeout and print a traceback."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: ContinuousScheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    async def shutdown(self, sockets=None) -> None:
+        self.scheduler.stop()
+        await super().shutdown(sockets=sockets)
+
+
+def serve_http(state: ServerState, host: str, port: int) -> None:
+    """Serve until stopped. A client that stops reading holds its stream open: it is closed after 5 s."""
     scheduler = ContinuousScheduler(state.engine, state.metrics, state.max_num_seqs, state.max_waiting)
+    config = uvicorn.Config(
+        create_app(state, scheduler), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    server = StoppingServer(config, scheduler)
+    with contextlib.suppress(KeyboardInterrupt):  # the stop signal, raised again once shut down (as uvicorn.run)
+        server.run()
+    if not server.started:
+        raise SpecdoctorError(f"the HTTP server on {host}:{port} did not start (uvicorn's error is above)")
+
+
+def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -46,11 +46,14 @@ class ContinuousScheduler:
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self.failure: Exception | None = None
+        self.stopping = False
 
     def enqueue(self, jobs: list[Job]) -> None:
         """Queue a request's jobs, all or none: a full queue is a 429, a failed pipeline its error."""
         if self.failure:
             raise RequestError(f"the pipeline is down: {self.failure}", status=503, kind="server_error")
+        if self.stopping:
+            raise RequestError("the server is shutting down", status=503, kind="server_error")
         if len(self.waiting) + len(jobs) > self.max_waiting:
             raise RequestError(
                 f"the server is full: {len(self.running)} requests running and {len(self.waiting)} waiting",
@@ -78,6 +81,19 @@ class ContinuousScheduler:
             self._admit()
         elif job in self.waiting:
             self.waiting.remove(job)
+
+    def stop(self) -> None:
+        """The server is shutting down: every request ends now with the tokens it has, finish reason "abort"
+        (vLLM's for a request the engine dropped), so an open stream sends its last chunk and closes."""
+        self.stopping = True
+        for job in [*self.running.values(), *self.waiting]:
+            if job.id in self.running:
+                self.engine.cancel(job.id)
+            job.finish_reason = "abort"
+            if not job.future.done():
+                job.future.set_result(job)
+        self.running.clear()
+        self.waiting.clear()
 
     async def run(self) -> None:
         """Start the engine's continuous batching and deliver its news until the engine closes or fails."""

@@ -1,10 +1,11 @@
 """Stopping `specdoctor serve` with SIGTERM (a service manager, `kill`) or Ctrl-C (SIGINT to the terminal's whole
 process group) at any point: before it serves (loading, compiling) it exits at once with 143 or 130; while it
-serves it shuts down as uvicorn does, with 0 (open streams closed). Either way every rank stops and nothing
-prints a traceback."""
+serves it ends the requests in flight (open streams send their last chunk, finish reason "abort") and exits
+with 0. Either way every rank stops and nothing prints a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +38,14 @@ class Serve:
 
     def wait_for_line(self, text: str, timeout_s: float) -> None:
         wait_for(lambda: "".join(self.stderr), lambda seen: text in seen, timeout_s, f"{text!r} on stderr")
+
+    def health(self) -> int | None:
+        """/health's status code; None while nothing listens (the "serving" line comes just before uvicorn
+        binds its port)."""
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code
+        except httpx.TransportError:
+            return None
 
     def group_left(self) -> list[int]:
         """The processes of the server's group still running: its fork server, ranks and compile workers."""
@@ -94,10 +103,15 @@ def test_stopped_while_compiling_from_a_cold_cache(signum, whole_group, tmp_path
 @pytest.mark.parametrize(("signum", "whole_group"), SIGNALS)
 def test_stopped_while_streaming(signum, whole_group):
     server = Serve("--no-compile")
-    server.wait_for_line("serving demo", 60)
+    wait_for(server.health, lambda status: status == 200, 60, "/health to answer 200")
     url = f"http://127.0.0.1:{server.port}/v1/completions"
     body = {"prompt": "def f(x):\n", "max_tokens": 1900, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url, json=body, timeout=60) as stream:
         lines = stream.iter_lines()
         next(lines)  # a token has been decoded; the request is in the running batch
         assert_stopped_cleanly(server, signum, whole_group, serving=True)
+        rest = [line.removeprefix("data: ") for line in lines if line]
+    # The open stream was ended, not cut: its last chunk says so (vLLM's reason for a request it dropped).
+    assert rest[-1] == "[DONE]", rest[-3:]
+    last = json.loads(rest[-2])["choices"][0]
+    assert last["finish_reason"] == "abort" and last["index"] == 0, rest[-2]
