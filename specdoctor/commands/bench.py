@@ -70,6 +70,11 @@ class Measurement:
     rank_times: list[dict[str, float]]  # summed over the batches
 
     @property
+    def steps(self) -> float:
+        """Decode steps, counted on the last rank (at least 1, so per-step figures of a run without any stay 0)."""
+        return max(1.0, self.rank_times[-1]["steps"])
+
+    @property
     def tokens_per_s(self) -> float:
         return sum(map(len, self.tokens)) / self.seconds
 
@@ -97,25 +102,23 @@ def phase_ms(run: Measurement) -> dict[str, float]:
     """ms per decode step by phase on the last rank, which does every kind of work: target layers, drafting,
     waiting. target: the step's pass (one position plain, k + 1 verifying) with its head and decision."""
     last = run.rank_times[-1]
-    steps = max(1.0, last["steps"])
-    return {phase: 1000 * last[f"{phase}_s"] / steps for phase in PHASES}
+    return {phase: 1000 * last[f"{phase}_s"] / run.steps for phase in PHASES}
 
 
 def pass_ms(run: Measurement) -> float:
     """The target's pass per decode step through the whole pipeline: every stage's target time, one after the
     other (a step's pass goes stage by stage), with the last stage's head and decision."""
-    steps = max(1.0, run.rank_times[-1]["steps"])
-    return 1000 * sum(stage["target_s"] for stage in run.rank_times) / steps
+    return 1000 * sum(stage["target_s"] for stage in run.rank_times) / run.steps
 
 
 def speedup_bound(k: int, length: float, run: Measurement, plain: Measurement) -> float | None:
     """What the model's own costs allow: L × t_plain ÷ (t_verify + k × t_draft), from the plain pass, the verify
     pass and the k draft steps as measured; the gap to the measured speed-up is the runtime's overhead (host work
     between steps, transfers, prefill, messages). None when no decode step ran (every prompt ended at once)."""
-    spent = pass_ms(run) + phase_ms(run)["draft"]
     if not k:
         return 1.0
-    return length * pass_ms(plain) / spent if spent and pass_ms(plain) else None
+    plain_ms, spent_ms = pass_ms(plain), pass_ms(run) + phase_ms(run)["draft"]
+    return length * plain_ms / spent_ms if plain_ms and spent_ms else None
 
 
 def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
@@ -123,7 +126,6 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
     length = run.metrics.mean_acceptance_length if k else 1.0
     bound = speedup_bound(k, length, run, plain)
     split = phase_ms(run)
-    steps = max(1.0, run.rank_times[-1]["steps"])
     return {
         "pp": pp,
         "k": k,
@@ -139,8 +141,8 @@ def bench_row(pp: int, k: int, run: Measurement, plain: Measurement) -> dict:
         "speedup_of_bound": speedup / bound if bound else None,
         "draft_step_ms": split["draft"] / k if k else 0.0,
         "lossless": run.tokens == plain.tokens,
-        "steps": int(steps),
-        "step_ms": 1000 * run.rank_times[-1]["decode_s"] / steps,
+        "steps": int(run.steps),
+        "step_ms": 1000 * run.rank_times[-1]["decode_s"] / run.steps,
         "last_rank_ms_per_step": split,
         "rank_times": run.rank_times,
     }

@@ -109,11 +109,8 @@ def run_serve(options: ServeOptions) -> None:
             highlight=False,
         )
         serve_http(state, options.host, options.port)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving (loading, checking, compiling): stop at once
-        engine.close(grace_s=0)
-        raise
     finally:
-        engine.close()
+        engine.close()  # at once on Ctrl-C or SIGTERM before serving (loading, checking, compiling)
 
 
 def compile_step(engine, max_num_seqs: int, console: Console) -> None:

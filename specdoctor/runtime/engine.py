@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from multiprocessing.connection import wait as wait_for_any
 
@@ -267,8 +268,12 @@ class Engine:
         raise PipelineError(f"no reply from the pipeline for {silent_for:.0f} s; its ranks (pids {pids}) are alive")
 
     def close(self, grace_s: float = 10.0) -> None:
-        """Ask the ranks to shut down and give them `grace_s` to do so; then (at once for a failed pipeline, which
-        holds nothing worth a clean exit) stop them."""
+        """Ask the ranks to shut down and give them `grace_s` to do so; then stop them. At once for a failed
+        pipeline, which holds nothing worth a clean exit, and when closed while Ctrl-C or SIGTERM unwinds the
+        caller (its `finally` or `with`): a rank busy in a long step (compiling) would not read "shutdown" for
+        minutes."""
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            grace_s = 0
         started = [process for process in self._processes if process.pid is not None]  # stopped while starting
         healthy = not self._closed and all(p.exitcode is None for p in self._processes)
         if healthy:
@@ -286,6 +291,5 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, kind, *_) -> None:
-        # Stopped by Ctrl-C or SIGTERM: a rank busy in a long step (compiling) would not read "shutdown" for minutes.
-        self.close(grace_s=0 if kind is not None and issubclass(kind, KeyboardInterrupt) else 10)
+    def __exit__(self, *exc) -> None:
+        self.close()

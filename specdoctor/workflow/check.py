@@ -119,9 +119,6 @@ def run_stages(report: CheckReport, options: CheckOptions, checkpoint, prompts, 
             clock.lap("before")
             if options.repair:
                 repair_and_recheck(report, stage, lambda: Engine(runtime, checkpoint), clock)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a rank busy in a long step would not read "shutdown"
-            stage.engine.close(grace_s=0)
-            raise
         finally:
             stage.engine.close()
         clock.lap("stop_ranks")
