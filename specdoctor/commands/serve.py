@@ -103,12 +103,11 @@ def run_serve(options: ServeOptions) -> None:
         state = ServerState(
             engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
         )
-        console.print(
+        listening = (
             f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
-            f"k {runtime.num_speculative_tokens})",
-            highlight=False,
+            f"k {runtime.num_speculative_tokens})"
         )
-        serve_http(state, options.host, options.port)
+        serve_http(state, options.host, options.port, lambda: console.print(listening, highlight=False))
     finally:
         engine.close()  # at once on Ctrl-C or SIGTERM before serving (loading, checking, compiling)
 

@@ -14,17 +14,25 @@ MoE kernel would lift that limit. On CUDA the same graphs are compiled without C
 (`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips
 CUDA graphs for graphs that mutate their inputs.
 
-Compiled graphs persist in the user's cache directory (`graph_cache_dir`), so only the first start with a
-model pays for compiling; later starts trace the step and load the kernels (docs/performance.md: start-up).
+Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
+does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
+(`graph_cache_dir`): a later start loads it in a fraction of a second instead of tracing the step's Python
+again (tens of seconds; docs/performance.md: start-up). A module whose layers break the graph (AOT compile
+needs one whole graph) is compiled by plain torch.compile, which traces on every start.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import uuid
 from pathlib import Path
 
 import torch
 
+from specdoctor import kernels
+from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
@@ -36,8 +44,7 @@ RECOMPILE_LIMIT = 32
 
 def graph_cache_dir() -> Path:
     """Where compiled graphs are kept: TORCHINDUCTOR_CACHE_DIR where the user set it, else
-    $XDG_CACHE_HOME/specdoctor/compile/torch-VERSION (Inductor's default, /tmp, is emptied at reboot). Inside it
-    Inductor keys each graph by its code, shapes, dtypes and device, so by model too (parameters are inputs)."""
+    $XDG_CACHE_HOME/specdoctor/compile/torch-VERSION (Inductor's default, /tmp, is emptied at reboot)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # Inductor writes its default there once it has looked
@@ -48,21 +55,104 @@ def graph_cache_dir() -> Path:
 
 
 def compile_decode(module: torch.nn.Module) -> None:
-    """Route `module.run_layers` (its first argument [B, T, ...]) through torch.compile for decode passes."""
-    import torch._dynamo
-
+    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs for decode passes."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-    eager = module.run_layers
-    # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
-    # its own graph), so a rank compiles a handful of graphs, not one per request.
-    compiled = torch.compile(eager, dynamic=True)
-    moe_limits = [layer.loop_token_limit() for layer in module.modules() if isinstance(layer, MoE)]
-    token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
+    module.run_layers = DecodeGraphs(module)
 
-    def run_layers(*args):
+
+class DecodeGraphs:
+    """`module.run_layers` under --compile: a decode pass runs the first of the module's graphs whose guards
+    (the shapes, dtypes and constants it was traced with) pass, compiling and saving one when none does."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.eager = module, module.run_layers
+        moe_limits = [layer.loop_token_limit() for layer in module.modules() if isinstance(layer, MoE)]
+        self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
+        # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
+        # its own graph), so a rank compiles a handful of graphs, not one per request.
+        self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True)
+        self.directory = saved_graphs_dir(module)
+        self.graphs: list = []  # AOT-compiled functions, the latest used first
+        self.loaded = False
+        self.traced = None  # plain torch.compile, for a module whose layers break the graph
+
+    def __call__(self, *args):
         batch, positions = args[0].shape[:2]
-        in_graph = positions <= DECODE_POSITIONS and (token_limit is None or batch * positions <= token_limit)
-        return compiled(*args) if in_graph else eager(*args)
+        if positions > DECODE_POSITIONS or (self.token_limit is not None and batch * positions > self.token_limit):
+            return self.eager(*args)
+        if self.traced is None and (graph := self.matching(args) or self.add(args)):
+            return graph(self.module, *args)
+        return (self.traced or self.eager)(*args)  # eager past the graph limit
 
-    module.run_layers = run_layers
+    def __reduce__(self):
+        # Dynamo saves the module's attributes with a graph's guards; the graphs never read this one.
+        return DecodeGraphs.__new__, (DecodeGraphs,)
+
+    def matching(self, args):
+        for i, graph in enumerate(self.graphs):
+            if graph.guard_check(self.module, *args):
+                self.graphs.insert(0, self.graphs.pop(i))
+                return graph
+        return None
+
+    def add(self, args):
+        import torch._dynamo
+
+        if not self.loaded:
+            self.loaded = True
+            for path in sorted(self.directory.glob("*.graph")):
+                self.load(path)
+            if graph := self.matching(args):
+                return graph
+        if len(self.graphs) >= RECOMPILE_LIMIT:
+            return None
+        try:
+            with torch._dynamo.config.patch(specialize_float=True):  # floats as constants: one trace, no restart
+                graph = self.compiler.aot_compile((args, {}))
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.PackageError):  # a graph break; unsaveable
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+            self.traced = torch.compile(self.eager, dynamic=True)
+            return None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(self.directory / f"{uuid.uuid4().hex}.graph"))
+        except OSError:  # a read-only or full cache: this process still has the graph
+            pass
+        return self.ready(graph)
+
+    def load(self, path: Path) -> None:
+        """Add a saved graph; remove its file where it no longer loads (cut off, another torch's)."""
+        try:
+            with path.open("rb") as file:
+                graph = torch.compiler.load_compiled_function(file, f_globals=self.eager.__func__.__globals__)
+        except Exception:  # whatever its unpickling raises: the graph is compiled again
+            path.unlink(missing_ok=True)
+            return
+        self.ready(graph)
+
+    def ready(self, graph):
+        graph.disable_guard_check()  # `matching` has checked them; calling would check again
+        self.graphs.insert(0, graph)
+        return graph
+
+
+def saved_graphs_dir(module: torch.nn.Module) -> Path:
+    """The module's saved graphs: one directory per version of specdoctor's code, module class, kernel backend,
+    tensor-parallel rank and parameter layout, so a start only loads graphs its guards can accept. (Guards
+    on globals do not survive saving; the kernel backend and the tensor-parallel group are what the layers
+    read from globals.)"""
+    parameters = [(name, tuple(p.shape), str(p.dtype), p.device.type) for name, p in module.named_parameters()]
+    first = next(module.parameters())
+    tp = tensor_parallel.current()
+    key = repr((source_digest(), type(module).__qualname__, kernels.backend(first), tp.rank, tp.size, parameters))
+    return graph_cache_dir() / "graphs" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def source_digest() -> str:
+    """specdoctor's source: a graph traced through other code is never loaded."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()

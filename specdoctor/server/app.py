@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -40,22 +41,28 @@ class StoppingServer(uvicorn.Server):
     """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) first ends the requests in flight: uvicorn would wait
     for open streams to finish, however long, or cancel them past a timeout and print a traceback."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: ContinuousScheduler):
+    def __init__(self, config: uvicorn.Config, scheduler: ContinuousScheduler, on_listening: Callable[[], None]):
         super().__init__(config)
-        self.scheduler = scheduler
+        self.scheduler, self.on_listening = scheduler, on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # bound and listening: a client that reads the announcement can connect
+            self.on_listening()
 
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.stop()
         await super().shutdown(sockets=sockets)
 
 
-def serve_http(state: ServerState, host: str, port: int) -> None:
-    """Serve until stopped. A client that stops reading holds its stream open: it is closed after 5 s."""
+def serve_http(state: ServerState, host: str, port: int, on_listening: Callable[[], None]) -> None:
+    """Serve until stopped; `on_listening()` once the port is bound. A client that stops reading holds its
+    stream open: it is closed after 5 s."""
     scheduler = ContinuousScheduler(state.engine, state.metrics, state.max_num_seqs, state.max_waiting)
     config = uvicorn.Config(
         create_app(state, scheduler), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
-    server = StoppingServer(config, scheduler)
+    server = StoppingServer(config, scheduler, on_listening)
     with contextlib.suppress(KeyboardInterrupt):  # the stop signal, raised again once shut down (as uvicorn.run)
         server.run()
     if not server.started:

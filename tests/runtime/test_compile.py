@@ -1,42 +1,109 @@
-"""`--compile`: decode passes through torch.compile give the tokens and acceptance counts of the eager
-runtime with a fraction of its ops per step (one test: compiling costs tens of seconds on 2 cores)."""
+"""`--compile`: decode passes through compiled graphs give the tokens and acceptance counts of the eager
+runtime with a fraction of its ops per step, and a later process loads the graphs an earlier one saved
+instead of tracing the step again (one test: compiling costs a minute on 2 cores)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
+from specdoctor.runtime.compile import compile_decode
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
 
-def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[tuple, float]:
-    """(tokens, finish reasons and acceptance counters, top-level ops per decode step) of one batch at k 3
-    on a rank loaded as the runtime loads it."""
+def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float]:
+    """([tokens, finish reasons, acceptance counters] of one batch at k 3 on a rank loaded as the runtime loads
+    it, as JSON gives them back; top-level ops per decode step)."""
     model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=compile), 0)
     request = GenerateRequest(prompts, 24, num_speculative_tokens=3)
-    decode_batch(model, request)  # with --compile: compiles the shapes of this batch
+    decode_batch(model, request)  # with --compile: compiles (or loads) the graphs of this batch's shapes
     with profile() as trace:
         result = decode_batch(model, request)
     ops = sum(1 for event in trace.events() if event.cpu_parent is None)
-    return (result.tokens, result.finish_reasons, result.metrics.to_dict()), ops / result.rank_times[0]["steps"]
+    outputs = [result.tokens, result.finish_reasons, result.metrics.to_dict()]
+    return json.loads(json.dumps(outputs)), ops / result.rank_times[0]["steps"]
 
 
-@pytest.mark.timeout(600)
-def test_compiled_decode_gives_the_eager_tokens_and_counts_with_fewer_ops():
+def prompts() -> list[list[int]]:
     checkpoint = Checkpoint("demo")
-    prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0][:3]
-    eager, eager_ops = decode_profiled(False, prompts)
+    return battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0][:3]
+
+
+def decode_in_a_new_process(env: dict) -> tuple[list, int]:
+    """(the compiled decode's outputs, graphs Dynamo traced) in a process of its own, as a second start."""
+    code = (
+        "import json; from torch._dynamo.utils import counters; from tests.runtime import test_compile as t; "
+        "out = t.decode_profiled(True, t.prompts())[0]; print(json.dumps([out, counters['stats']['unique_graphs']]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+
+@pytest.mark.timeout(900)
+def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_start_loads_its_graphs(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_decode sets it; restored after
+    eager, eager_ops = decode_profiled(False, prompts())
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled, compiled_ops = decode_profiled(True, prompts)
+    compiled, compiled_ops = decode_profiled(True, prompts())
     assert compiled == eager
     assert eager[2]["num_accepted_tokens"] > 0
     assert counters["stats"]["unique_graphs"] - graphs_before >= 3  # the stage's layers; the MTP layer at 4 and 1
     # The prompt pass, head, verification and bookkeeping stay eager; the layers become a few kernels.
     assert compiled_ops < eager_ops / 2, (compiled_ops, eager_ops)
+
+    saved = sorted(tmp_path.rglob("*.graph"))
+    assert len(saved) >= 3, saved
+    env = {name: value for name, value in os.environ.items() if name != "TORCHINDUCTOR_CACHE_DIR"}
+    again, traced = decode_in_a_new_process(env)
+    assert again == eager and traced == 0  # every graph loaded, none traced
+
+    for path in saved:  # cut-off files (a full disk, a killed writer): the graphs are compiled again
+        path.write_bytes(path.read_bytes()[:1000])
+    again, traced = decode_in_a_new_process(env)
+    assert again == eager and traced >= 3
+    assert not set(saved) & set(tmp_path.rglob("*.graph"))  # the broken files removed, new ones saved
+    assert len(list(tmp_path.rglob("*.graph"))) == traced
+
+
+class BreaksTheGraph(torch.nn.Module):
+    """Layers with a call Dynamo cannot put in a graph (as a host read or an opaque kernel would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).relu()
+        torch._dynamo.graph_break()
+        return self.proj(x).tanh()
+
+
+def test_layers_that_break_the_graph_run_through_plain_torch_compile_and_save_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    module = BreaksTheGraph()
+    eager = module.run_layers
+    compile_decode(module)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for batch in (1, 2, 3):
+        x = torch.randn(batch, 4, 16)
+        torch.testing.assert_close(module.run_layers(x), eager(x))
+    assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two halves around the break
+    assert not list(tmp_path.rglob("*.graph"))

@@ -40,8 +40,7 @@ class Serve:
         wait_for(lambda: "".join(self.stderr), lambda seen: text in seen, timeout_s, f"{text!r} on stderr")
 
     def health(self) -> int | None:
-        """/health's status code; None while nothing listens (the "serving" line comes just before uvicorn
-        binds its port)."""
+        """/health's status code; None where nothing listens."""
         try:
             return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code
         except httpx.TransportError:
@@ -103,7 +102,8 @@ def test_stopped_while_compiling_from_a_cold_cache(signum, whole_group, tmp_path
 @pytest.mark.parametrize(("signum", "whole_group"), SIGNALS)
 def test_stopped_while_streaming(signum, whole_group):
     server = Serve("--no-compile")
-    wait_for(server.health, lambda status: status == 200, 60, "/health to answer 200")
+    server.wait_for_line("serving demo on", 60)
+    assert server.health() == 200  # announced once listening, not before
     url = f"http://127.0.0.1:{server.port}/v1/completions"
     body = {"prompt": "def f(x):\n", "max_tokens": 1900, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url, json=body, timeout=60) as stream:
