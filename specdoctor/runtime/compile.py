@@ -38,7 +38,8 @@ from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
 # A verify pass feeds the pending token and k <= 8 drafts; the drafter's chain steps feed one position.
 DECODE_POSITIONS = MAX_SPECULATIVE_TOKENS + 1
-# Graphs a rank may need: one or several positions, times batch 1 or larger, per compiled module.
+# Graphs a rank may need: one or several positions, times batch 1 or larger, per compiled module; past as many
+# compiles in one process a module runs eager.
 RECOMPILE_LIMIT = 32
 
 
@@ -73,7 +74,7 @@ class DecodeGraphs:
         self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True)
         self.directory = saved_graphs_dir(module)
         self.graphs: list = []  # AOT-compiled functions, the latest used first
-        self.loaded = False
+        self.loaded, self.compiled = False, 0
         self.traced = None  # plain torch.compile, for a module whose layers break the graph
 
     def __call__(self, *args):
@@ -104,19 +105,20 @@ class DecodeGraphs:
                 self.load(path)
             if graph := self.matching(args):
                 return graph
-        if len(self.graphs) >= RECOMPILE_LIMIT:
+        if self.compiled >= RECOMPILE_LIMIT:
             return None
+        self.compiled += 1
         try:
             with torch._dynamo.config.patch(specialize_float=True):  # floats as constants: one trace, no restart
                 graph = self.compiler.aot_compile((args, {}))
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.PackageError):  # a graph break; unsaveable
+        except Exception:  # a graph break, unsaveable guards, Inductor's caches turned off: trace as torch.compile
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-            self.traced = torch.compile(self.eager, dynamic=True)
+            self.traced = torch.compile(self.eager, dynamic=True)  # an error of the layers themselves shows there
             return None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(self.directory / f"{uuid.uuid4().hex}.graph"))
-        except OSError:  # a read-only or full cache: this process still has the graph
+        except Exception:  # a read-only or full cache, something unpicklable: this process still has the graph
             pass
         return self.ready(graph)
 
@@ -137,14 +139,19 @@ class DecodeGraphs:
 
 
 def saved_graphs_dir(module: torch.nn.Module) -> Path:
-    """The module's saved graphs: one directory per version of specdoctor's code, module class, kernel backend,
-    tensor-parallel rank and parameter layout, so a start only loads graphs its guards can accept. (Guards
-    on globals do not survive saving; the kernel backend and the tensor-parallel group are what the layers
-    read from globals.)"""
-    parameters = [(name, tuple(p.shape), str(p.dtype), p.device.type) for name, p in module.named_parameters()]
+    """The module's saved graphs: one directory per system (Python, torch, GPU: what torch checks before it
+    loads a graph), version of specdoctor's code, module class, kernel backend, tensor-parallel group and
+    parameter layout, so a start only loads graphs its guards can accept. (Guards on globals do not survive
+    saving; the kernel backend and the tensor-parallel group, whose name a collective in a graph holds, are
+    what the layers read from globals.)"""
+    from torch._dynamo.package import SystemInfo
+
+    parameters = [(name, tuple(p.shape), str(p.dtype), str(p.device)) for name, p in module.named_parameters()]
     first = next(module.parameters())
     tp = tensor_parallel.current()
-    key = repr((source_digest(), type(module).__qualname__, kernels.backend(first), tp.rank, tp.size, parameters))
+    group = (tp.rank, tp.size, getattr(tp.group, "group_name", None))
+    key = repr((SystemInfo.current(), source_digest(), type(module).__qualname__, kernels.backend(first), group))
+    key += repr(parameters)
     return graph_cache_dir() / "graphs" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 

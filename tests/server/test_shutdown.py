@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -103,7 +104,8 @@ def test_stopped_while_compiling_from_a_cold_cache(signum, whole_group, tmp_path
 def test_stopped_while_streaming(signum, whole_group):
     server = Serve("--no-compile")
     server.wait_for_line("serving demo on", 60)
-    assert server.health() == 200  # announced once listening, not before
+    socket.create_connection(("127.0.0.1", server.port), timeout=10).close()  # announced once listening: not refused
+    wait_for(server.health, lambda status: status == 200, 60, "/health to answer 200")
     url = f"http://127.0.0.1:{server.port}/v1/completions"
     body = {"prompt": "def f(x):\n", "max_tokens": 1900, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url, json=body, timeout=60) as stream:
