@@ -5,6 +5,7 @@ with 0. Either way every rank stops and nothing prints a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,18 @@ from tests.helpers.waiting import alive, wait_for
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
 
+STARTED: list[Serve] = []
+
+
+@pytest.fixture(autouse=True)
+def no_server_left_behind():
+    """A test that fails before it stops its server still ends it (its own session: pytest would not)."""
+    yield
+    while STARTED:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(STARTED.pop().process.pid, signal.SIGKILL)
+
+
 class Serve:
     """`specdoctor serve` in a session of its own (so a signal can go to its process group, as a terminal's
     Ctrl-C does), its stderr collected line by line."""
@@ -33,6 +46,7 @@ class Serve:
             command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
             env={**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, **(env or {})},
         )  # fmt: skip
+        STARTED.append(self)
         self.stderr: list[str] = []
         self.reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
         self.reader.start()
