@@ -16,8 +16,8 @@ CUDA graphs for graphs that mutate their inputs.
 
 Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
 does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
-(`graph_cache_dir`): a later start loads it in a fraction of a second instead of tracing the step's Python
-again (tens of seconds; docs/performance.md: start-up). A module whose layers break the graph (AOT compile
+(`graph_cache_dir`): a later start loads it instead of tracing the step's Python again (docs/performance.md:
+start-up). A module whose layers break the graph (AOT compile
 needs one whole graph) is compiled by plain torch.compile, which traces on every start.
 """
 
@@ -123,7 +123,7 @@ class DecodeGraphs:
         return self.ready(graph)
 
     def load(self, path: Path) -> None:
-        """Add a saved graph; remove its file where it no longer loads (cut off, another torch's)."""
+        """Add a saved graph; remove its file where it no longer loads (cut off by a full disk or a killed writer)."""
         try:
             with path.open("rb") as file:
                 graph = torch.compiler.load_compiled_function(file, f_globals=self.eager.__func__.__globals__)
