@@ -62,8 +62,9 @@ def compile_decode(module: torch.nn.Module) -> None:
 
 
 class DecodeGraphs:
-    """`module.run_layers` under --compile: a decode pass runs the first of the module's graphs whose guards
-    (the shapes, dtypes and constants it was traced with) pass, compiling and saving one when none does."""
+    """`module.run_layers` under --compile: a decode pass runs a graph of the module's whose guards (the shapes,
+    dtypes and constants it was traced with) pass, trying first the one the last pass with the same input shapes
+    ran, compiling and saving one when none does."""
 
     def __init__(self, module: torch.nn.Module):
         self.module, self.eager = module, module.run_layers
@@ -71,9 +72,12 @@ class DecodeGraphs:
         self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
         # its own graph), so a rank compiles a handful of graphs, not one per request.
-        self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True)
+        self.compiler = torch.compile(
+            self.eager, dynamic=True, fullgraph=True, options={"guard_filter_fn": kept_guards}
+        )
         self.directory = saved_graphs_dir(module)
-        self.graphs: list = []  # AOT-compiled functions, the latest used first
+        self.graphs: list = []  # AOT-compiled functions
+        self.last_for_shapes: dict = {}  # the graph the last pass with these input shapes ran: tried first
         self.loaded, self.compiled = False, 0
         self.traced = None  # plain torch.compile, for a module whose layers break the graph
 
@@ -90,9 +94,11 @@ class DecodeGraphs:
         return DecodeGraphs.__new__, (DecodeGraphs,)
 
     def matching(self, args):
-        for i, graph in enumerate(self.graphs):
+        shapes = tuple(tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor))
+        last = self.last_for_shapes.get(shapes)
+        for graph in ([last] if last else []) + self.graphs:
             if graph.guard_check(self.module, *args):
-                self.graphs.insert(0, self.graphs.pop(i))
+                self.last_for_shapes[shapes] = graph
                 return graph
         return None
 
@@ -134,8 +140,38 @@ class DecodeGraphs:
 
     def ready(self, graph):
         graph.disable_guard_check()  # `matching` has checked them; calling would check again
-        self.graphs.insert(0, graph)
+        self.graphs.append(graph)
         return graph
+
+
+# Guards on the module's structure (its submodules' types, shared attributes and empty hook dicts) and on its
+# parameters and buffers (type, shape, dtype, device): 900 of the demo stage's 1,100 guards, checked before every
+# pass. A rank builds its modules once and never swaps a submodule, adds a hook or changes a parameter's layout,
+# and a saved graph is only loaded by a module of the same class and parameter layout (`saved_graphs_dir`).
+STRUCTURE_GUARDS = {
+    "TYPE_MATCH",
+    "ID_MATCH",
+    "DUPLICATE_INPUT",
+    "EMPTY_NN_MODULE_HOOKS_DICT",
+    "NOT_PRESENT_IN_GENERIC_DICT",
+}
+
+
+def kept_guards(entries) -> list[bool]:
+    """Which of a graph's guards are saved and checked: what AOT compile keeps by default (no guards on globals
+    or of kinds it cannot save), less the guards on the module's structure and parameters. Guards on the pass's
+    inputs (shapes, dtypes, the cache's layout) and on the module's constants (layer ids, tap entries, config
+    values) stay."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    def kept(entry) -> bool:
+        if entry.is_global or entry.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES:
+            return False
+        on_module = entry.name == "self" or entry.name.startswith(("self.", "self["))
+        on_parameter = "._parameters[" in entry.name or "._buffers[" in entry.name
+        return not (on_module and (entry.guard_type in STRUCTURE_GUARDS or on_parameter))
+
+    return [kept(entry) for entry in entries]
 
 
 def saved_graphs_dir(module: torch.nn.Module) -> Path:

@@ -109,3 +109,35 @@ def test_layers_that_break_the_graph_run_through_plain_torch_compile_and_save_no
         torch.testing.assert_close(module.run_layers(x), eager(x))
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two halves around the break
     assert not list(tmp_path.rglob("*.graph"))
+
+
+class WithAConstant(torch.nn.Module):
+    """Layers that read a constant the module can change between passes (as the stage's tap entries change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.taps: tuple[int, ...] = (1,)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * len(self.taps)
+
+
+def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    module = WithAConstant()
+    eager = module.run_layers
+    compile_decode(module)
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(module.run_layers(x), eager(x))
+    module.taps = (1, 2)  # the first graph's guard on the constant fails: a second graph, with the new constant
+    torch.testing.assert_close(module.run_layers(x), eager(x))
+    other = torch.randn(4, 5, 16)
+    torch.testing.assert_close(module.run_layers(other), eager(other))  # other sizes: the second graph again
+    graphs = module.run_layers.graphs
+    assert len(graphs) == 2 and len(list(tmp_path.rglob("*.graph"))) == 2
+    for graph in graphs:
+        guards = graph._artifacts.guard_manager.code_parts
+        assert any("taps" in line for line in guards) and any("L['x']" in line for line in guards), guards
+        assert not any("_parameters" in line or "_modules" in line for line in guards), guards
