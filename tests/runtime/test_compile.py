@@ -55,12 +55,23 @@ def decode_in_a_new_process(env: dict) -> tuple[list, int]:
     return tuple(json.loads(done.stdout.splitlines()[-1]))
 
 
-@pytest.mark.timeout(1500)
-def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_start_loads_its_graphs(
-    tmp_path, monkeypatch
-):
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """An empty compile cache of the test's own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_decode sets it; restored after
+    return tmp_path
+
+
+def compiled_and_eager(module: torch.nn.Module) -> tuple:
+    """(`module.run_layers` through compiled graphs, as it was before)."""
+    eager = module.run_layers
+    compile_decode(module)
+    return module.run_layers, eager
+
+
+@pytest.mark.timeout(1500)
+def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_start_loads_its_graphs(cache_dir):
     eager, eager_ops = decode_profiled(False, prompts())
     graphs_before = counters["stats"]["unique_graphs"]
     compiled, compiled_ops = decode_profiled(True, prompts())
@@ -70,7 +81,7 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     # The prompt pass, head, verification and bookkeeping stay eager; the layers become a few kernels.
     assert compiled_ops < eager_ops / 2, (compiled_ops, eager_ops)
 
-    saved = sorted(tmp_path.rglob("*.graph"))
+    saved = sorted(cache_dir.rglob("*.graph"))
     assert len(saved) >= 3, saved
     env = {name: value for name, value in os.environ.items() if name != "TORCHINDUCTOR_CACHE_DIR"}
     again, traced = decode_in_a_new_process(env)
@@ -80,8 +91,8 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
         path.write_bytes(path.read_bytes()[:1000])
     again, traced = decode_in_a_new_process(env)
     assert again == eager and traced >= 3
-    assert not set(saved) & set(tmp_path.rglob("*.graph"))  # the broken files removed, new ones saved
-    assert len(list(tmp_path.rglob("*.graph"))) == traced
+    assert not set(saved) & set(cache_dir.rglob("*.graph"))  # the broken files removed, new ones saved
+    assert len(list(cache_dir.rglob("*.graph"))) == traced
 
 
 class BreaksTheGraph(torch.nn.Module):
@@ -97,18 +108,14 @@ class BreaksTheGraph(torch.nn.Module):
         return self.proj(x).tanh()
 
 
-def test_layers_that_break_the_graph_run_through_plain_torch_compile_and_save_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    module = BreaksTheGraph()
-    eager = module.run_layers
-    compile_decode(module)
+def test_layers_that_break_the_graph_run_through_plain_torch_compile_and_save_nothing(cache_dir):
+    compiled, eager = compiled_and_eager(BreaksTheGraph())
     graphs_before = counters["stats"]["unique_graphs"]
     for batch in (1, 2, 3):
         x = torch.randn(batch, 4, 16)
-        torch.testing.assert_close(module.run_layers(x), eager(x))
+        torch.testing.assert_close(compiled(x), eager(x))
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two halves around the break
-    assert not list(tmp_path.rglob("*.graph"))
+    assert not list(cache_dir.rglob("*.graph"))
 
 
 class WithAConstant(torch.nn.Module):
@@ -123,20 +130,17 @@ class WithAConstant(torch.nn.Module):
         return self.proj(x) * len(self.taps)
 
 
-def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_parameters(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_parameters(cache_dir):
     module = WithAConstant()
-    eager = module.run_layers
-    compile_decode(module)
+    compiled, eager = compiled_and_eager(module)
     x = torch.randn(2, 3, 16)
-    torch.testing.assert_close(module.run_layers(x), eager(x))
+    torch.testing.assert_close(compiled(x), eager(x))
     module.taps = (1, 2)  # the first graph's guard on the constant fails: a second graph, with the new constant
-    torch.testing.assert_close(module.run_layers(x), eager(x))
+    torch.testing.assert_close(compiled(x), eager(x))
     other = torch.randn(4, 5, 16)
-    torch.testing.assert_close(module.run_layers(other), eager(other))  # other sizes: the second graph again
-    graphs = module.run_layers.graphs
-    assert len(graphs) == 2 and len(list(tmp_path.rglob("*.graph"))) == 2
+    torch.testing.assert_close(compiled(other), eager(other))  # other sizes: the second graph again
+    graphs = compiled.graphs
+    assert len(graphs) == 2 and len(list(cache_dir.rglob("*.graph"))) == 2
     for graph in graphs:
         guards = graph._artifacts.guard_manager.code_parts
         assert any("taps" in line for line in guards) and any("L['x']" in line for line in guards), guards
