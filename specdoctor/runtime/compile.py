@@ -144,32 +144,30 @@ class DecodeGraphs:
         return graph
 
 
-# Guards on the module's structure (its submodules' types, shared attributes and empty hook dicts) and on its
-# parameters and buffers (type, shape, dtype, device): 900 of the demo stage's 1,100 guards, checked before every
+# Guards on the module's structure (its submodules' types, attributes not shadowed, empty hook dicts) and on its
+# parameters and buffers (type, shape, dtype, device): 900 of the demo stage's 1,077 guards, checked before every
 # pass. A rank builds its modules once and never swaps a submodule, adds a hook or changes a parameter's layout,
-# and a saved graph is only loaded by a module of the same class and parameter layout (`saved_graphs_dir`).
-STRUCTURE_GUARDS = {
-    "TYPE_MATCH",
-    "ID_MATCH",
-    "DUPLICATE_INPUT",
-    "EMPTY_NN_MODULE_HOOKS_DICT",
-    "NOT_PRESENT_IN_GENERIC_DICT",
-}
+# and a saved graph is only loaded by a module of the same class and parameters (`saved_graphs_dir`: names, so also
+# which of them are one tensor, shapes, dtypes and devices).
+STRUCTURE_GUARDS = {"TYPE_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT"}
 
 
 def kept_guards(entries) -> list[bool]:
     """Which of a graph's guards are saved and checked: what AOT compile keeps by default (no guards on globals
     or of kinds it cannot save), less the guards on the module's structure and parameters. Guards on the pass's
-    inputs (shapes, dtypes, the cache's layout) and on the module's constants (layer ids, tap entries, config
-    values) stay."""
+    inputs (shapes, dtypes, the cache's layout), on the module's constants (layer ids, tap entries, config values)
+    and on which of its tensors are one tensor stay."""
     from torch._dynamo.guards import CheckFunctionManager
 
     def kept(entry) -> bool:
         if entry.is_global or entry.guard_type in CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES:
             return False
-        on_module = entry.name == "self" or entry.name.startswith(("self.", "self["))
+        if not (entry.name == "self" or entry.name.startswith(("self.", "self["))):
+            return True  # an input's
+        if entry.guard_type == "DUPLICATE_INPUT":  # a graph traced with two names for one tensor reads it once
+            return isinstance(entry.value, torch.Tensor)  # (modules sharing one config object: no matter)
         on_parameter = "._parameters[" in entry.name or "._buffers[" in entry.name
-        return not (on_module and (entry.guard_type in STRUCTURE_GUARDS or on_parameter))
+        return not (entry.guard_type in STRUCTURE_GUARDS or on_parameter)
 
     return [kept(entry) for entry in entries]
 

@@ -145,3 +145,27 @@ def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_par
         guards = graph._artifacts.guard_manager.code_parts
         assert any("taps" in line for line in guards) and any("L['x']" in line for line in guards), guards
         assert not any("_parameters" in line or "_modules" in line for line in guards), guards
+
+
+class TiedLayers(torch.nn.Module):
+    """Two projections that may share one weight (as tied embeddings and heads do)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        if tied:
+            self.second.weight = self.first.weight
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).tanh())
+
+
+def test_a_graph_traced_with_one_tensor_under_two_names_refuses_a_module_where_they_are_two(cache_dir):
+    tied = TiedLayers(tied=True)
+    compiled, eager = compiled_and_eager(tied)
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(compiled(x), eager(x))
+    (graph,) = compiled.graphs  # through AOT compile: saved
+    untied = TiedLayers(tied=False)
+    untied.load_state_dict(tied.state_dict())  # the same values, in two tensors
+    assert graph.guard_check(tied, x) and not graph.guard_check(untied, x)
