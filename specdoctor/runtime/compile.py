@@ -56,9 +56,12 @@ def graph_cache_dir() -> Path:
 
 
 def compile_decode(module: torch.nn.Module) -> None:
-    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs for decode passes."""
+    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs for decode passes, and
+    a drafter's greedy draft chain (`greedy_chain`, where it has one) as one graph per chain."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
     module.run_layers = DecodeGraphs(module)
+    if hasattr(module, "greedy_chain"):
+        module.greedy_chain = DecodeGraphs(module, "greedy_chain")
 
 
 class DecodeGraphs:
@@ -66,8 +69,8 @@ class DecodeGraphs:
     dtypes and constants it was traced with) pass, trying first the one the last pass with the same input shapes
     ran, compiling and saving one when none does."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module, self.eager = module, module.run_layers
+    def __init__(self, module: torch.nn.Module, method: str = "run_layers"):
+        self.module, self.eager = module, getattr(module, method)
         moe_limits = [layer.loop_token_limit() for layer in module.modules() if isinstance(layer, MoE)]
         self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
@@ -75,7 +78,7 @@ class DecodeGraphs:
         self.compiler = torch.compile(
             self.eager, dynamic=True, fullgraph=True, options={"guard_filter_fn": kept_guards}
         )
-        self.directory = saved_graphs_dir(module)
+        self.directory = saved_graphs_dir(module, method)
         self.graphs: list = []  # AOT-compiled functions
         self.last_for_shapes: dict = {}  # the graph the last pass with these input shapes ran: tried first
         self.loaded, self.compiled = False, 0
@@ -172,7 +175,7 @@ def kept_guards(entries) -> list[bool]:
     return [kept(entry) for entry in entries]
 
 
-def saved_graphs_dir(module: torch.nn.Module) -> Path:
+def saved_graphs_dir(module: torch.nn.Module, method: str) -> Path:
     """The module's saved graphs: one directory per system (Python, torch, GPU: what torch checks before it
     loads a graph), version of specdoctor's code, module class, kernel backend, tensor-parallel group and
     parameter layout, so a start only loads graphs its guards can accept. (Guards on globals do not survive
@@ -184,7 +187,8 @@ def saved_graphs_dir(module: torch.nn.Module) -> Path:
     first = next(module.parameters())
     tp = tensor_parallel.current()
     group = (tp.rank, tp.size, getattr(tp.group, "group_name", None))
-    key = repr((SystemInfo.current(), source_digest(), type(module).__qualname__, kernels.backend(first), group))
+    module_class = type(module).__qualname__
+    key = repr((SystemInfo.current(), source_digest(), module_class, method, kernels.backend(first), group))
     key += repr(parameters)
     return graph_cache_dir() / "graphs" / hashlib.sha256(key.encode()).hexdigest()[:32]
 

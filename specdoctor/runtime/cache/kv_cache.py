@@ -39,13 +39,20 @@ class KVCache:
         region): the batch rows and the mask [B, 1, T, span] every layer of that forward uses. Causal by
         absolute position: a query sees every key at or before its own position; with `whole_block` (a block
         drafter's non-causal block) every query of a row sees every key up to the row's last position."""
-        span = int(positions.max()) + 1
+        self.plan_keys(positions, self.keys(int(positions.max()) + 1, positions.device), whole_block)
+
+    def keys(self, span: int, device: torch.device) -> torch.Tensor:
+        """The key positions [span] a pass reaching position span - 1 attends over (0 to span - 1)."""
         if span > self.max_len:
             raise ValueError(f"position {span - 1} is beyond the KV cache length {self.max_len}")
+        return torch.arange(span, device=device)
+
+    def plan_keys(self, positions: torch.Tensor, keys: torch.Tensor, whole_block: bool = False) -> None:
+        """`plan` over `keys` (from `keys`), which reach at least every position: no read from the device, so a
+        compiled draft chain plans each of its steps inside its graph."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         last = positions.amax(dim=1, keepdim=True).expand_as(positions) if whole_block else positions
-        mask = torch.arange(span, device=positions.device) <= last[:, None, :, None]
-        self._plan = (rows, mask)
+        self._plan = (rows, keys <= last[:, None, :, None])
 
     def causal_mask(self) -> torch.Tensor:
         return self._plan[1]

@@ -11,7 +11,7 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.registry import family_of
-from specdoctor.runtime.models.rope import rotary_cos_sin
+from specdoctor.runtime.models.rope import rotary_cos_sin, rotary_tables
 from specdoctor.runtime.tensor_parallel import VocabParallelEmbedding, local_config
 
 
@@ -44,6 +44,31 @@ class MtpDrafter(nn.Module):
 
     def draft(self, next_tokens, hidden, positions, base, cache: KVCache, k: int):
         return draft_chain(self, next_tokens, hidden, positions, base, cache, k)
+
+    def greedy_drafts(self, next_tokens, hidden, positions, base, cache: KVCache, k: int) -> torch.Tensor:
+        """`draft`'s chain with every draft its step's argmax, [B, k], in one call: the steps' keys and rotary
+        tables are found before it (the last step reaches the furthest position plus k - 1), so under --compile
+        the whole chain is one graph instead of a graph and its host work per step."""
+        keys = cache.keys(int(positions.max()) + k, positions.device)
+        tables = rotary_tables(self.config, positions.device, hidden.dtype)
+        return self.greedy_chain(next_tokens, hidden, positions, base, cache, keys, tables, k)
+
+    def greedy_chain(self, next_tokens, hidden, positions, base, cache: KVCache, keys, tables, k: int) -> torch.Tensor:
+        def step(tokens, prev_hidden, step_positions):
+            cache.plan_keys(step_positions, keys)
+            rotary = (tables[0][step_positions], tables[1][step_positions])
+            # The class's run_layers: under --compile the instance's routes through graphs, and this is one.
+            return MtpDrafter.run_layers(self, self.embed_tokens(tokens), prev_hidden, step_positions, rotary, cache)
+
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        out, logits = step(next_tokens, hidden, positions)
+        out, position = out[rows, base][:, None], positions[rows, base][:, None]
+        drafts = [logits[rows, base].argmax(-1)]
+        for _ in range(k - 1):
+            position = position + 1
+            out, logits = step(drafts[-1][:, None], out, position)
+            drafts.append(logits[:, 0].argmax(-1))
+        return torch.stack(drafts, dim=1)
 
     def forward(
         self,

@@ -74,9 +74,14 @@ def rotary_cos_sin(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for the rotary part of each head, [B, T, rotary_dim] each."""
+    cos, sin = rotary_tables(config, positions.device, dtype)
+    return cos[positions], sin[positions]
+
+
+def rotary_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's cos and sin for every position it can reach, [positions, rotary_dim] each."""
     length = config.max_position_embeddings + POSITION_SLACK
-    table = rotary_table(config.rotary_dim, config.rope_theta, config.rope_scaling, length, positions.device, dtype)
-    return table[0][positions], table[1][positions]
+    return rotary_table(config.rotary_dim, config.rope_theta, config.rope_scaling, length, device, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
