@@ -6,10 +6,13 @@ What is compiled is the part of a pass after its entry point has done the host w
 (`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point
 looks up the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled
 graph holds no host synchronisation; the span reaches it as the mask's size, so one graph serves every
-length. Passes the graphs would have to break stay eager: prompt passes (more positions than a verify
-pass ever feeds), and passes that take an MoE layer's per-expert loop, which reads its expert list on
-the host (models whose routed experts are too large to gather or run all at once, GLM-4.5's at any
-batch, and packed quantised experts at any size; the floating-point demos' never do). A grouped-GEMM
+length. An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`: its k steps, each an embedding, a
+pass and an argmax) is one graph: its steps' keys are planned from one host read before it, so a step calls
+two graphs (the verify pass's layers and the chain) instead of one per pass. Passes the graphs would have
+to break stay eager: prompt passes (more positions than a verify pass ever feeds), and passes that take an
+MoE layer's per-expert loop, which reads its expert list on the host (models whose routed experts are too
+large to gather or run all at once, GLM-4.5's at any batch, and packed quantised experts at any size; the
+floating-point demos' never do). A grouped-GEMM
 MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
 (`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips
 CUDA graphs for graphs that mutate their inputs.

@@ -58,7 +58,8 @@ class MtpDrafter(nn.Module):
             cache.plan_keys(step_positions, keys)
             rotary = (tables[0][step_positions], tables[1][step_positions])
             # The class's run_layers: under --compile the instance's routes through graphs, and this is one.
-            return MtpDrafter.run_layers(self, self.embed_tokens(tokens), prev_hidden, step_positions, rotary, cache)
+            layers = type(self).run_layers
+            return layers(self, self.embed_tokens(tokens), prev_hidden, step_positions, rotary, cache)
 
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         out, logits = step(next_tokens, hidden, positions)
