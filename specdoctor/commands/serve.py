@@ -115,15 +115,15 @@ def run_serve(options: ServeOptions) -> None:
 def compile_step(engine, max_num_seqs: int, console: Console) -> None:
     """--compile: run each batch shape a request can meet once before listening, so no request waits for a
     compile; shown with the time each takes (minutes from a cold compile cache, seconds from a warm one). Batch
-    1, then the graphs every larger batch shares, then a full batch (where an MoE layer may switch from gathered
-    experts to every expert: another graph)."""
-    from specdoctor.runtime.compile import graph_cache_dir
+    1, then the powers of two up to a full batch, which meet each graph a batch's size can need
+    (`warmup_batches`: where an MoE layer switches from gathered experts to every expert)."""
+    from specdoctor.runtime.compile import graph_cache_dir, warmup_batches
 
     k = engine.options.num_speculative_tokens
     console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for batch in sorted({1, 2, max_num_seqs}):
+        for batch in warmup_batches(max_num_seqs):
             task = progress.add_task(f"batch {batch}", total=1)
             engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=k)
             progress.update(task, completed=1)

@@ -58,6 +58,16 @@ def graph_cache_dir() -> Path:
     return base / "specdoctor" / "compile" / f"torch-{torch.__version__}"
 
 
+def warmup_batches(max_batch: int) -> list[int]:
+    """The batch sizes whose passes meet every graph a batch of up to `max_batch` rows can need: 1 (sizes of 1 get
+    graphs of their own), each power of two, and `max_batch`. Where a pass's MoE layers switch paths past L tokens
+    (runtime/models/moe.py), the draft chain, one graph over a pass of B x (k + 1) tokens and passes of B, takes one
+    path in all (B <= L / (k + 1)), the other in all (B > L), or both: that middle range (L / (k + 1), L] spans at
+    least a factor of two, so a power of two falls in it whatever L is."""
+    powers = [1 << n for n in range(max_batch.bit_length()) if 1 << n <= max_batch]
+    return sorted({*powers, max_batch})
+
+
 def compile_decode(module: torch.nn.Module) -> None:
     """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs for decode passes, and
     a drafter's greedy draft chain (`greedy_chain`, where it has one) as one graph per chain."""

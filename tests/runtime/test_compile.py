@@ -18,9 +18,10 @@ from torch.profiler import profile
 from specdoctor.battery import battery_prompts
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import compile_decode
+from specdoctor.runtime.compile import compile_decode, warmup_batches
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
+from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
@@ -40,9 +41,10 @@ def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, floa
     return json.loads(json.dumps(outputs)), ops / steps, graph_calls / steps
 
 
-def prompts() -> list[list[int]]:
+def prompts(count: int = 3) -> list[list[int]]:
+    """The first `count` battery prompts' token ids."""
     checkpoint = Checkpoint("demo")
-    return battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0][:3]
+    return battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0][:count]
 
 
 def decode_in_a_new_process(env: dict) -> tuple[list, int]:
@@ -97,6 +99,26 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     assert again == eager and traced >= 2
     assert not set(saved) & set(cache_dir.rglob("*.graph"))  # the broken files removed, new ones saved
     assert len(list(cache_dir.rglob("*.graph"))) == traced
+
+
+@pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 32
+@pytest.mark.timeout(1500)
+def test_a_batch_between_the_warmup_sizes_runs_the_graphs_the_warmup_compiled(cache_dir):
+    """`serve` warms up a full batch of 32 and the sizes `warmup_batches` adds; then no request waits for a compile.
+    At 12 rows the demo's draft chain takes both MoE paths (48 tokens past the gathered-expert limit, 12 under it):
+    a graph that neither batch 2 nor a full batch traced."""
+    model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=True), 0)
+    limit = min(layer.gathered_token_limit() for layer in model.drafter.modules() if isinstance(layer, MoE))
+    assert 12 <= limit < 12 * 4, limit
+    for batch in warmup_batches(32):
+        decode_batch(model, GenerateRequest([[1, 2]] * batch, 4, num_speculative_tokens=3))
+    graphs = counters["stats"]["unique_graphs"]
+    battery = prompts(9)
+    twelve = GenerateRequest(battery + [prompt[:5] for prompt in battery[:3]], 8, num_speculative_tokens=3)
+    compiled = decode_batch(model, twelve)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
+    eager, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3), 0)
+    assert compiled.tokens == decode_batch(eager, twelve).tokens
 
 
 class BreaksTheGraph(torch.nn.Module):
