@@ -64,8 +64,7 @@ def warmup_batches(max_batch: int) -> list[int]:
     (runtime/models/moe.py), the draft chain, one graph over a pass of B x (k + 1) tokens and passes of B, takes one
     path in all (B <= L / (k + 1)), the other in all (B > L), or both: that middle range (L / (k + 1), L] spans at
     least a factor of two, so a power of two falls in it whatever L is."""
-    powers = [1 << n for n in range(max_batch.bit_length()) if 1 << n <= max_batch]
-    return sorted({*powers, max_batch})
+    return sorted({*(1 << n for n in range(max_batch.bit_length())), max_batch})
 
 
 def compile_decode(module: torch.nn.Module) -> None:
