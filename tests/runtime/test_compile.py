@@ -93,12 +93,12 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     again, traced = decode_in_a_new_process(env)
     assert again == eager and traced == 0  # every graph loaded, none traced
 
-    for path in saved:  # cut-off files (a full disk, a killed writer): the graphs are compiled again
-        path.write_bytes(path.read_bytes()[:1000])
+    broken = saved[0]  # cut off (a full disk, a killed writer): that graph is compiled again, the others load
+    broken.write_bytes(broken.read_bytes()[:1000])
     again, traced = decode_in_a_new_process(env)
-    assert again == eager and traced >= 2
-    assert not set(saved) & set(cache_dir.rglob("*.graph"))  # the broken files removed, new ones saved
-    assert len(list(cache_dir.rglob("*.graph"))) == traced
+    assert again == eager and traced == 1
+    now = set(cache_dir.rglob("*.graph"))
+    assert broken not in now and set(saved[1:]) <= now and len(now) == len(saved)  # the broken file replaced
 
 
 @pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 32

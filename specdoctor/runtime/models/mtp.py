@@ -54,17 +54,17 @@ class MtpDrafter(nn.Module):
         return self.greedy_chain(next_tokens, hidden, positions, base, cache, keys, tables, k)
 
     def greedy_chain(self, next_tokens, hidden, positions, base, cache: KVCache, keys, tables, k: int) -> torch.Tensor:
-        def step(tokens, prev_hidden, step_positions):
+        def step(tokens, prev_hidden, step_positions, output_at=None):
             cache.plan_keys(step_positions, keys)
             rotary = (tables[0][step_positions], tables[1][step_positions])
             # The class's run_layers: under --compile the instance's routes through graphs, and this is one.
             layers = type(self).run_layers
-            return layers(self, self.embed_tokens(tokens), prev_hidden, step_positions, rotary, cache)
+            return layers(self, self.embed_tokens(tokens), prev_hidden, step_positions, rotary, cache, output_at)
 
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        out, logits = step(next_tokens, hidden, positions)
-        out, position = out[rows, base][:, None], positions[rows, base][:, None]
-        drafts = [logits[rows, base].argmax(-1)]
+        # Step 0 fills the cache at every new position; only `base`'s output goes on (and needs the head).
+        out, logits = step(next_tokens, hidden, positions, output_at=base)
+        position = positions.gather(1, base[:, None])
+        drafts = [logits[:, 0].argmax(-1)]
         for _ in range(k - 1):
             position = position + 1
             out, logits = step(drafts[-1][:, None], out, position)
@@ -87,8 +87,11 @@ class MtpDrafter(nn.Module):
             embeds, prev_hidden, positions, rotary_cos_sin(self.config, positions, prev_hidden.dtype), cache
         )
 
-    def run_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache | None):
-        """The MTP layer's input projection, block and head: the part of a step `--compile` compiles."""
+    def run_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache | None, output_at=None):
+        """The MTP layer's input projection, block and head: the part of a step `--compile` compiles. With
+        `output_at` [B], the output (state and logits, [B, 1, ...]) at that one position of each row."""
         layer = self.layers[str(self.config.mtp_layer_ids[0])]
-        x = layer.mtp_input(embeds, prev_hidden, positions)
-        return layer.mtp_output(layer(x, positions, rotary, cache))
+        hidden = layer(layer.mtp_input(embeds, prev_hidden, positions), positions, rotary, cache)
+        if output_at is not None:
+            hidden = hidden.gather(1, output_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        return layer.mtp_output(hidden)

@@ -1,0 +1,102 @@
+"""The demo's MoE layer run each way the runtime could run it, compiled, side by side in one run: every expert
+over every token (the runtime's path past the gathered-expert limit), gathered experts (copies of the picked
+experts' weights, one batched matmul: the runtime's path up to the limit) and a grouped GEMM over the tokens
+sorted by expert (`torch._grouped_mm`, reading each expert's weights in place: the path the runtime does not
+take). Microseconds a call for each number of tokens a pass routes (a 16-row k 3 verify pass routes 64).
+
+    python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--json runs/moe_paths.json]
+
+`torch._grouped_mm` runs float32 on the CPU in eager mode, but its shape function refuses anything but
+bfloat16 under torch.compile, so here it is an opaque op of its own inside the compiled function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import Progress
+
+from benchmarks.common import machine, numeric_table, write_json
+from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.worker import load_rank
+
+
+@torch.library.custom_op("specdoctor_benchmarks::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(rows, weights, offs=offsets)
+
+
+@grouped_mm.register_fake
+def _(rows, weights, offsets):
+    return rows.new_empty(rows.shape[0], weights.shape[-1])
+
+
+def grouped_experts(layer: MoE, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+    tokens, per_token = expert_ids.shape
+    ids = expert_ids.reshape(-1)
+    order = ids.argsort(stable=True)  # (token, slot) pairs by expert; offsets: where each expert's run ends
+    experts = torch.arange(len(layer.experts), device=ids.device)
+    offsets = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
+    gate_up, down = layer.expert_weights()
+    gate, up = grouped_mm(flat.index_select(0, order // per_token), gate_up.transpose(1, 2), offsets).chunk(2, -1)
+    routed = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offsets)
+    unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
+    return (unsorted.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
+
+
+def microseconds(function, args, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        function(*args)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 28, 36, 64, 128, 256])
+    parser.add_argument("--rounds", type=int, default=5, help="the paths alternate; the median is kept")
+    parser.add_argument("--calls", type=int, default=50, help="calls per path and round")
+    parser.add_argument("--json", type=Path, default=Path("runs/moe_paths.json"))
+    args = parser.parse_args()
+    model, _ = load_rank(RuntimeOptions("demo"), 0)
+    layer = next(module for module in model.drafter.modules() if isinstance(module, MoE))
+    paths = {
+        "every expert": torch.compile(layer.every_expert, dynamic=True, fullgraph=True),
+        "gathered": torch.compile(layer.gathered_experts, dynamic=True, fullgraph=True),
+        "grouped GEMM": torch.compile(lambda *a: grouped_experts(layer, *a), dynamic=True, fullgraph=True),
+    }
+    rows = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("compiling and measuring", total=len(args.tokens) * args.rounds * len(paths))
+        for tokens in args.tokens:
+            flat = torch.randn(tokens, layer.gate.weight.shape[1], generator=torch.Generator().manual_seed(tokens))
+            routing = (flat, *layer.gate(flat))
+            expected = layer.every_expert(*routing)
+            for path in paths.values():  # each path gives every expert's sum (and compiles before it is timed)
+                torch.testing.assert_close(path(*routing), expected, rtol=1e-4, atol=1e-5)
+            samples = {name: [] for name in paths}
+            for _ in range(args.rounds):
+                for name, path in paths.items():
+                    samples[name].append(microseconds(path, routing, args.calls))
+                    progress.advance(task)
+            rows.append({"tokens": tokens, **{name: statistics.median(times) for name, times in samples.items()}})
+    table = numeric_table(
+        f"the demo's MoE layer, µs a call (compiled, float32, median of {args.rounds} rounds)", ("tokens", *paths)
+    )
+    for row in rows:
+        table.add_row(str(row["tokens"]), *(f"{row[name]:.0f}" for name in paths))
+    console = Console(width=120)
+    console.print(table)
+    console.print(f"gathered-expert limit: {layer.gathered_token_limit()} tokens; machine: {machine()}")
+    write_json(args.json, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
