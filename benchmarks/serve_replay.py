@@ -1,0 +1,112 @@
+"""Where a serving load's time goes, in one process: `serve`'s continuous batching loop (`RunningBatch`) on the
+demo, compiled and warmed up as `serve` warms up, with c streams each sending the battery prompts back to back
+(a request joins as soon as one finishes). No HTTP, tokenizer or rank processes: the time split between
+admitting requests (their prompt passes, joined into the running batch), dropping finished rows and decode
+steps, and tokens/s over the three.
+
+    python -m benchmarks.serve_replay [--streams 1 16] [--requests 96] [--max-tokens 64] [--json runs/serve_replay.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from benchmarks.common import machine, numeric_table, write_json
+from specdoctor.battery import battery_prompts
+from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import load_codec
+from specdoctor.runtime.compile import warmup_batches
+from specdoctor.runtime.decode.batch import decode_batch
+from specdoctor.runtime.decode.continuous import JOIN, RunningBatch
+from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
+from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.worker import load_rank
+
+K = 3
+MAX_NUM_SEQS = 32  # serve's default
+
+
+@torch.no_grad()
+def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tokens: int) -> dict:
+    running = RunningBatch(model, K, sampled_drafts=False)
+    seconds = {"admit": 0.0, "drop": 0.0, "step": 0.0}
+    sent = finished = tokens = steps = 0
+
+    def joins(count: int) -> list:
+        nonlocal sent
+        new = [
+            (JOIN, (str(sent + n), SequenceRequest(prompts[(sent + n) % len(prompts)], max_tokens)))
+            for n in range(count)
+        ]
+        sent += count
+        return new
+
+    def timed(phase: str, call, *args):
+        start = time.perf_counter()
+        result = call(*args)
+        seconds[phase] += time.perf_counter() - start
+        return result
+
+    messages = joins(min(streams, requests))
+    while finished < requests:
+        timed("admit", running.apply, messages)
+        news = timed("drop", running.updates)  # rows a prompt pass finished
+        timed("step", running.step)
+        news.update(timed("drop", running.updates))
+        steps += 1
+        tokens += sum(len(update.new_tokens) for update in news.values())
+        done = sum(1 for update in news.values() if update.finish_reason)
+        finished += done
+        messages = joins(min(done, requests - sent))
+    wall = sum(seconds.values())
+    return {"streams": streams, "tokens": tokens, "steps": steps, "tokens_per_s": tokens / wall, **seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=Path("runs/serve_replay.json"))
+    args = parser.parse_args()
+    checkpoint = Checkpoint("demo")
+    prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0]
+    model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=K, compile=True), 0)
+    rows = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("warming up (compiling)", total=None)
+        for batch in warmup_batches(MAX_NUM_SEQS):
+            decode_batch(model, GenerateRequest([[1, 2]] * batch, 4, num_speculative_tokens=K))
+        for streams in args.streams:
+            progress.update(task, description=f"{streams} streams")
+            rows.append(replay(model, prompts, streams, args.requests, args.max_tokens))
+    table = numeric_table(
+        f"serving loop, in one process (demo, compiled, k {K}, {args.requests} requests x {args.max_tokens} tokens)",
+        ("streams", "tok/s", "steps", "admit s", "drop s", "step s", "admit share"),
+    )
+    for row in rows:
+        wall = row["admit"] + row["drop"] + row["step"]
+        table.add_row(
+            str(row["streams"]),
+            f"{row['tokens_per_s']:.0f}",
+            str(row["steps"]),
+            f"{row['admit']:.2f}",
+            f"{row['drop']:.2f}",
+            f"{row['step']:.2f}",
+            f"{row['admit'] / wall:.0%}",
+        )
+    console = Console(width=140)
+    console.print(table)
+    console.print("admit: the joiners' prompt passes and joining the running batch; drop: finished rows leaving it")
+    console.print(f"machine: {machine()}")
+    write_json(args.json, {"k": K, "max_tokens": args.max_tokens, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
