@@ -1,8 +1,8 @@
 """Where a serving load's time goes, in one process: `serve`'s continuous batching loop (`RunningBatch`) on the
-demo, compiled and warmed up as `serve` warms up, with c streams each sending the battery prompts back to back
-(a request joins as soon as one finishes). No HTTP, tokenizer or rank processes: the time split between
-admitting requests (their prompt passes, joined into the running batch), dropping finished rows and decode
-steps, and tokens/s over the three.
+demo, compiled and warmed up as `serve` warms up, with c streams each sending the battery prompts back to back (a
+request joins as soon as one finishes; each makes --max-tokens tokens, no stop tokens, as with `ignore_eos`). No
+HTTP, tokenizer or rank processes: the time split between admitting requests (their prompt passes, joined into
+the running batch), dropping finished rows and decode steps, and tokens/s over the three.
 
     python -m benchmarks.serve_replay [--streams 1 16] [--requests 96] [--max-tokens 64] [--json runs/serve_replay.json]
 """
@@ -23,7 +23,7 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.compile import warmup_batches
 from specdoctor.runtime.decode.batch import decode_batch
-from specdoctor.runtime.decode.continuous import JOIN, RunningBatch
+from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
@@ -58,7 +58,7 @@ def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tok
         timed("admit", running.apply, messages)
         news = timed("drop", running.updates)  # rows a prompt pass finished
         timed("step", running.step)
-        news.update(timed("drop", running.updates))
+        news.update(merge_updates(news, timed("drop", running.updates)))  # a joiner's first token, then its step's
         steps += 1
         tokens += sum(len(update.new_tokens) for update in news.values())
         done = sum(1 for update in news.values() if update.finish_reason)
