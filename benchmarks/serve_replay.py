@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
+from specdoctor.commands.serve import ServeOptions
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.compile import warmup_batches
@@ -29,7 +30,6 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
 K = 3
-MAX_NUM_SEQS = 32  # serve's default
 
 
 @torch.no_grad()
@@ -81,7 +81,7 @@ def main() -> None:
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("warming up (compiling)", total=None)
-        for batch in warmup_batches(MAX_NUM_SEQS):
+        for batch in warmup_batches(ServeOptions.max_num_seqs):  # as serve warms up at its default batch limit
             decode_batch(model, GenerateRequest([[1, 2]] * batch, 4, num_speculative_tokens=K))
         for streams in args.streams:
             progress.update(task, description=f"{streams} streams")
