@@ -2,9 +2,10 @@
 over every token (the runtime's path past the gathered-expert limit), gathered experts (copies of the picked
 experts' weights, one batched matmul: the runtime's path up to the limit) and a grouped GEMM over the tokens
 sorted by expert (`torch._grouped_mm`, reading each expert's weights in place: the path the runtime does not
-take). Microseconds a call for each number of tokens a pass routes (a 16-row k 3 verify pass routes 64).
+take). Microseconds a call for each number of tokens a pass routes (a 16-row k 3 verify pass routes 64);
+with --eager, each path as `--no-compile` runs it.
 
-    python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--json runs/moe_paths.json]
+    python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--eager] [--json runs/moe_paths.json]
 
 `torch._grouped_mm` runs float32 on the CPU in eager mode, but its shape function refuses anything but
 bfloat16 under torch.compile, so here it is an opaque op of its own inside the compiled function.
@@ -63,14 +64,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 28, 36, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5, help="the paths alternate; the median is kept")
     parser.add_argument("--calls", type=int, default=50, help="calls per path and round")
+    parser.add_argument("--eager", action="store_true", help="time the paths uncompiled")
     parser.add_argument("--json", type=Path, default=Path("runs/moe_paths.json"))
     args = parser.parse_args()
     model, _ = load_rank(RuntimeOptions("demo"), 0)
     layer = next(module for module in model.drafter.modules() if isinstance(module, MoE))
+    mode = "eager" if args.eager else "compiled"
+    compiled = (lambda path: path) if args.eager else (lambda path: torch.compile(path, dynamic=True, fullgraph=True))
     paths = {
-        "every expert": torch.compile(layer.every_expert, dynamic=True, fullgraph=True),
-        "gathered": torch.compile(layer.gathered_experts, dynamic=True, fullgraph=True),
-        "grouped GEMM": torch.compile(lambda *a: grouped_experts(layer, *a), dynamic=True, fullgraph=True),
+        "every expert": compiled(layer.every_expert),
+        "gathered": compiled(layer.gathered_experts),
+        "grouped GEMM": compiled(lambda *a: grouped_experts(layer, *a)),
     }
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
@@ -88,14 +92,14 @@ def main() -> None:
                     progress.advance(task)
             rows.append({"tokens": tokens, **{name: statistics.median(times) for name, times in samples.items()}})
     table = numeric_table(
-        f"the demo's MoE layer, µs a call (compiled, float32, median of {args.rounds} rounds)", ("tokens", *paths)
+        f"the demo's MoE layer, µs a call ({mode}, float32, median of {args.rounds} rounds)", ("tokens", *paths)
     )
     for row in rows:
         table.add_row(str(row["tokens"]), *(f"{row[name]:.0f}" for name in paths))
     console = Console(width=120)
     console.print(table)
     console.print(f"gathered-expert limit: {layer.gathered_token_limit()} tokens; machine: {machine()}")
-    write_json(args.json, {"rows": rows})
+    write_json(args.json, {"mode": mode, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from specdoctor.battery import battery_prompts
 from specdoctor.commands.serve import ServeOptions
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import warmup_batches
+from specdoctor.runtime.compile import warmup_prompts
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
@@ -77,12 +77,13 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Checkpoint("demo")
     prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0]
-    model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=K, compile=True), 0)
+    model, info = load_rank(RuntimeOptions("demo", num_speculative_tokens=K, compile=True), 0)
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("warming up (compiling)", total=None)
-        for batch in warmup_batches(ServeOptions.max_num_seqs):  # as serve warms up at its default batch limit
-            decode_batch(model, GenerateRequest([[1, 2]] * batch, 4, num_speculative_tokens=K))
+        # as serve warms up at its default batch limit
+        for warmup in warmup_prompts(ServeOptions.max_num_seqs, info["gathered_token_limit"]):
+            decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=K))
         for streams in args.streams:
             progress.update(task, description=f"{streams} streams")
             rows.append(replay(model, prompts, streams, args.requests, args.max_tokens))

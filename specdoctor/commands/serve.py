@@ -113,17 +113,17 @@ def run_serve(options: ServeOptions) -> None:
 
 
 def compile_step(engine, max_num_seqs: int, console: Console) -> None:
-    """--compile: run each batch shape a request can meet once before listening, so no request waits for a
-    compile; shown with the time each takes (minutes from a cold compile cache, seconds from a warm one). Batch
-    1, then the powers of two up to a full batch, which meet each graph a batch's size can need
-    (`warmup_batches`: where an MoE layer switches from gathered experts to every expert)."""
-    from specdoctor.runtime.compile import graph_cache_dir, warmup_batches
+    """--compile: run each shape of prompt pass and decode step a request can meet once before listening, so no
+    request waits for a compile; shown with the time each takes (minutes from a cold compile cache, seconds from a
+    warm one): two-token prompts at batch 1 and the powers of two up to a full batch, then one-token prompts, and
+    prompts past the length where the MoE layers switch paths (`warmup_prompts`)."""
+    from specdoctor.runtime.compile import graph_cache_dir, warmup_prompts
 
     k = engine.options.num_speculative_tokens
     console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for batch in warmup_batches(max_num_seqs):
-            task = progress.add_task(f"batch {batch}", total=1)
-            engine.generate([[1, 2]] * batch, 4, num_speculative_tokens=k)
+        for prompts in warmup_prompts(max_num_seqs, engine.gathered_token_limit):
+            task = progress.add_task(f"batch {len(prompts)}, prompts of {len(prompts[0])} tokens", total=1)
+            engine.generate(prompts, 4, num_speculative_tokens=k)
             progress.update(task, completed=1)

@@ -1,21 +1,21 @@
-"""`--compile`: each rank's decode passes through torch.compile (Inductor), so a step runs a few fused
-kernels instead of a few hundred small ops, each of which costs more in dispatch than in arithmetic on
-a small model (docs/performance.md: the step profile).
+"""`--compile`: each rank's passes through torch.compile (Inductor), so a pass runs a few fused kernels
+instead of a few hundred small ops, each of which costs more in dispatch than in arithmetic on a small model
+(docs/performance.md: the step profile).
 
 What is compiled is the part of a pass after its entry point has done the host work: the stage's layers
 (`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point
 looks up the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled
 graph holds no host synchronisation; the span reaches it as the mask's size, so one graph serves every
-length. An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`: its k steps, each an embedding, a
-pass and an argmax) is one graph: its steps' keys are planned from one host read before it, so a step calls
-two graphs (the verify pass's layers and the chain) instead of one per pass. Passes the graphs would have
-to break stay eager: prompt passes (more positions than a verify pass ever feeds), and passes that take an
-MoE layer's per-expert loop, which reads its expert list on the host (models whose routed experts are too
-large to gather or run all at once, GLM-4.5's at any batch, and packed quantised experts at any size; the
-floating-point demos' never do). A grouped-GEMM
-MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
-(`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips
-CUDA graphs for graphs that mutate their inputs.
+length, prompt passes' included. An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`: its k steps,
+each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from one host read before
+it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass. Passes the
+graphs would have to break, or retrace per length, stay eager: prompt passes of modules whose layers loop over
+the positions (`loops_over_positions`: Gated DeltaNet's recurrence, which a trace unrolls, so each prompt length
+would be a graph of its own), and passes that take an MoE layer's per-expert loop, which reads its expert list on
+the host (models whose routed experts are too large to gather or run all at once, GLM-4.5's at any batch, and
+packed quantised experts at any size; the floating-point demos' never do). A grouped-GEMM MoE kernel would lift
+that limit. On CUDA the same graphs are compiled without CUDA graphs (`mode="reduce-overhead"`): a step writes
+its KV cache, a graph input, in place, and Inductor skips CUDA graphs for graphs that mutate their inputs.
 
 Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
 does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
@@ -39,7 +39,8 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
-# A verify pass feeds the pending token and k <= 8 drafts; the drafter's chain steps feed one position.
+# A verify pass feeds the pending token and k <= 8 drafts; the drafter's chain steps feed one position. Past
+# that, a pass is a prompt's.
 DECODE_POSITIONS = MAX_SPECULATIVE_TOKENS + 1
 # Graphs a rank may need: one or several positions, times batch 1 or larger, per compiled module; past as many
 # compiles in one process a module runs eager.
@@ -67,24 +68,41 @@ def warmup_batches(max_batch: int) -> list[int]:
     return sorted({*(1 << n for n in range(max_batch.bit_length())), max_batch})
 
 
-def compile_decode(module: torch.nn.Module) -> None:
-    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs for decode passes, and
-    a drafter's greedy draft chain (`greedy_chain`, where it has one) as one graph per chain."""
+def warmup_prompts(max_batch: int, gathered_tokens: int) -> list[list[list[int]]]:
+    """The batches of prompts whose prompt passes and decode steps meet every graph a batch of up to `max_batch`
+    rows can need, where MoE layers gather experts for passes of up to `gathered_tokens` tokens (the ranks'
+    `gathered_token_limit`): two-token prompts at each of `warmup_batches`; one-token prompt passes at batch 1 and
+    2 (a size of 1 gets graphs of its own, and prefix caching leaves a prompt of 16n + 1 tokens seen before one
+    token to compute); then, where a two-token prompt is gathered, prompts one token past the limit at batch 1 and
+    2 (a prompt pass past it takes every expert, which no decode pass of one row, nor a two-token prompt pass of
+    two, reaches)."""
+    few = warmup_batches(min(max_batch, 2))
+    batches = [[[1, 2]] * batch for batch in warmup_batches(max_batch)] + [[[1]] * batch for batch in few]
+    if gathered_tokens < 2:
+        return batches
+    past = [1] * (gathered_tokens + 1)
+    return batches + [[past] * batch for batch in few]
+
+
+def compile_layers(module: torch.nn.Module) -> None:
+    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs, and a drafter's greedy
+    draft chain (`greedy_chain`, where it has one) as one graph per chain."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
-    module.run_layers = DecodeGraphs(module)
+    module.run_layers = LayerGraphs(module)
     if hasattr(module, "greedy_chain"):
-        module.greedy_chain = DecodeGraphs(module, "greedy_chain")
+        module.greedy_chain = LayerGraphs(module, "greedy_chain")
 
 
-class DecodeGraphs:
-    """`module.run_layers` under --compile: a decode pass runs a graph of the module's whose guards (the shapes,
-    dtypes and constants it was traced with) pass, trying first the one the last pass with the same input shapes
-    ran, compiling and saving one when none does."""
+class LayerGraphs:
+    """`module.run_layers` under --compile: a pass runs a graph of the module's whose guards (the shapes, dtypes
+    and constants it was traced with) pass, trying first the one the last pass with the same input shapes ran,
+    compiling and saving one when none does."""
 
     def __init__(self, module: torch.nn.Module, method: str = "run_layers"):
         self.module, self.eager = module, getattr(module, method)
         moe_limits = [layer.loop_token_limit() for layer in module.modules() if isinstance(layer, MoE)]
         self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
+        self.loops_over_positions = any(getattr(layer, "loops_over_positions", False) for layer in module.modules())
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
         # its own graph), so a rank compiles a handful of graphs, not one per request.
         self.compiler = torch.compile(
@@ -98,7 +116,8 @@ class DecodeGraphs:
 
     def __call__(self, *args):
         batch, positions = args[0].shape[:2]
-        if positions > DECODE_POSITIONS or (self.token_limit is not None and batch * positions > self.token_limit):
+        prompt_unrolled = self.loops_over_positions and positions > DECODE_POSITIONS
+        if prompt_unrolled or (self.token_limit is not None and batch * positions > self.token_limit):
             return self.eager(*args)
         if self.traced is None and (graph := self.matching(args) or self.add(args)):
             return graph(self.module, *args)
@@ -106,7 +125,7 @@ class DecodeGraphs:
 
     def __reduce__(self):
         # Dynamo saves the module's attributes with a graph's guards; the graphs never read this one.
-        return DecodeGraphs.__new__, (DecodeGraphs,)
+        return LayerGraphs.__new__, (LayerGraphs,)
 
     def matching(self, args):
         shapes = tuple(tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor))

@@ -110,6 +110,11 @@ class Engine:
     def drafter_provenance(self) -> dict[str, str]:
         return self.rank_info[(self.options.pp - 1) * self.options.tp].get("drafter_provenance", {})
 
+    @property
+    def gathered_token_limit(self) -> int:
+        """The most tokens a pass of any rank's MoE layers gathers experts for (0: none do)."""
+        return max(info["gathered_token_limit"] for info in self.rank_info)
+
     def _wait_until_ready(self, show_progress: bool) -> None:
         with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
             task = progress.add_task(f"starting {len(self._processes)} rank(s)", total=len(self._processes))

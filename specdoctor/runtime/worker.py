@@ -20,7 +20,7 @@ from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
-from specdoctor.runtime.compile import compile_decode
+from specdoctor.runtime.compile import compile_layers
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
@@ -32,6 +32,7 @@ from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
+from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
@@ -94,9 +95,11 @@ def build_rank(
     drafter, provenance = None, Provenance()
     if placement.has_drafter:
         drafter, provenance = kind.build(stage, options, device)
+    modules = (stage, drafter) if drafter is not None else (stage,)
     if options.compile:
-        for module in (stage, drafter) if drafter is not None else (stage,):
-            compile_decode(module)
+        for module in modules:
+            compile_layers(module)
+    moe_layers = [layer for module in modules for layer in module.modules() if isinstance(layer, MoE)]
     info = {
         "rank": stage_rank,
         "tp_rank": tp_rank,
@@ -107,6 +110,8 @@ def build_rank(
         "keys_read": sorted(set(checkpoint.keys_read)),
         "bytes_read": checkpoint.bytes_read,
         "drafter_provenance": dict(provenance.sources),
+        # where the MoE layers switch paths: serve's compile warm-up crosses it (runtime/compile.py)
+        "gathered_token_limit": max((layer.gathered_token_limit() for layer in moe_layers), default=0),
     }
     rollback = options.state_rollback == StateRollback.EXACT
     faults = Faults.parse(options.fault).gated(kind.dummy_drafts_past(options) if kind else None)

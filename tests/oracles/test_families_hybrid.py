@@ -12,11 +12,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch._dynamo.utils import counters
 
 from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.decode.pipeline import prompt_logits
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
+from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.worker import load_rank
 from specdoctor.workflow.check import run_check
 from tests.commands.test_check import check_options
 from tests.helpers.families import (
@@ -217,3 +221,19 @@ def test_preflight_warns_where_vllms_qwen3_next_drafter_fails_past_pp1(hybrid_mo
     the last) its first draft step asserts; Qwen3.5's branches on its inputs."""
     summary = summarize(Checkpoint(hybrid_models[architecture][0]), pp)
     assert ("placement.drafter_rank" in {finding["check"] for finding in summary["preflight"]}) == warned
+
+
+def test_compiled_prompt_passes_through_the_recurrence_stay_eager(hybrid_models, tmp_path, monkeypatch):
+    """Gated DeltaNet steps through a prompt's positions in Python: under --compile each prompt length would trace
+    a graph of its own, so its prompt passes run eager (and give the eager logits)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_layers sets it; restored after
+    path = str(hybrid_models["Qwen3NextForCausalLM"][0])
+    compiled, _ = load_rank(RuntimeOptions(path, compile=True), 0)
+    eager, _ = load_rank(RuntimeOptions(path), 0)
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [[list(range(3, 3 + length))] for length in (10, 13)]
+    logits = [prompt_logits(compiled, prompt) for prompt in prompts]
+    assert counters["stats"]["unique_graphs"] == graphs
+    for prompt, got in zip(prompts, logits, strict=True):
+        torch.testing.assert_close(got, prompt_logits(eager, prompt))

@@ -1,34 +1,38 @@
-"""`--compile`: decode passes through compiled graphs give the tokens and acceptance counts of the eager
-runtime with a fraction of its ops per step, and a later process loads the graphs an earlier one saved
+"""`--compile`: prompt and decode passes through compiled graphs give the tokens and acceptance counts of the
+eager runtime with a fraction of its ops per step, and a later process loads the graphs an earlier one saved
 instead of tracing the step again (one test: compiling costs a minute on 2 cores)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
+from specdoctor.commands.serve import compile_step
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import compile_decode, warmup_batches
+from specdoctor.runtime.compile import compile_layers, warmup_prompts
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
-from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
 
-def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, float]:
+def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:
     """([tokens, finish reasons, acceptance counters] of one batch at k 3 on a rank loaded as the runtime loads
-    it, as JSON gives them back; top-level ops and compiled-graph calls per decode step)."""
+    it, as JSON gives them back; top-level ops per decode step; compiled-graph calls; decode steps)."""
     model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=compile), 0)
     request = GenerateRequest(prompts, 24, num_speculative_tokens=3)
     decode_batch(model, request)  # with --compile: compiles (or loads) the graphs of this batch's shapes
@@ -38,7 +42,7 @@ def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, floa
     graph_calls = sum(1 for event in trace.events() if event.name.startswith("## Call CompiledFxGraph"))
     outputs = [result.tokens, result.finish_reasons, result.metrics.to_dict()]
     steps = result.rank_times[0]["steps"]
-    return json.loads(json.dumps(outputs)), ops / steps, graph_calls / steps
+    return json.loads(json.dumps(outputs)), ops / steps, graph_calls, steps
 
 
 def prompts(count: int = 3) -> list[list[int]]:
@@ -63,29 +67,29 @@ def decode_in_a_new_process(env: dict) -> tuple[list, int]:
 def cache_dir(tmp_path, monkeypatch) -> Path:
     """An empty compile cache of the test's own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_decode sets it; restored after
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_layers sets it; restored after
     return tmp_path
 
 
 def compiled_and_eager(module: torch.nn.Module) -> tuple:
     """(`module.run_layers` through compiled graphs, as it was before)."""
     eager = module.run_layers
-    compile_decode(module)
+    compile_layers(module)
     return module.run_layers, eager
 
 
 @pytest.mark.timeout(1500)
 def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_start_loads_its_graphs(cache_dir):
-    eager, eager_ops, _ = decode_profiled(False, prompts())
+    eager, eager_ops, _, _ = decode_profiled(False, prompts())
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled, compiled_ops, graph_calls = decode_profiled(True, prompts())
+    compiled, compiled_ops, graph_calls, steps = decode_profiled(True, prompts())
     assert compiled == eager
     assert eager[2]["num_accepted_tokens"] > 0
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the stage's layers; the MTP draft chain
-    # The prompt pass, head, verification and bookkeeping stay eager; the layers become a few kernels, and a step
-    # calls two graphs: the verify pass's layers and the whole draft chain (its k = 3 MTP steps).
+    # The head, verification and bookkeeping stay eager; the layers become a few kernels. The prompt pass and each
+    # step call two graphs: the stage's layers and the whole draft chain (its k = 3 MTP steps).
     assert compiled_ops < eager_ops / 2, (compiled_ops, eager_ops)
-    assert graph_calls == 2, graph_calls
+    assert graph_calls == 2 * (steps + 1), (graph_calls, steps)
 
     saved = sorted(cache_dir.rglob("*.graph"))
     assert len(saved) >= 2, saved
@@ -101,24 +105,39 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     assert broken not in now and set(saved[1:]) <= now and len(now) == len(saved)  # the broken file replaced
 
 
-@pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 32
+@pytest.mark.slow  # about 3 minutes: the demo's graphs for batches 1 to 8 and its prompt passes
 @pytest.mark.timeout(1500)
-def test_a_batch_between_the_warmup_sizes_runs_the_graphs_the_warmup_compiled(cache_dir):
-    """`serve` warms up a full batch of 32 and the sizes `warmup_batches` adds; then no request waits for a compile.
-    At 12 rows the demo's draft chain takes both MoE paths (48 tokens past the gathered-expert limit, 12 under it):
-    a graph that neither batch 2 nor a full batch traced."""
-    model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=True), 0)
-    limit = min(layer.gathered_token_limit() for layer in model.drafter.modules() if isinstance(layer, MoE))
-    assert 12 <= limit < 12 * 4, limit
-    for batch in warmup_batches(32):
-        decode_batch(model, GenerateRequest([[1, 2]] * batch, 4, num_speculative_tokens=3))
+def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup_compiled(cache_dir):
+    """`serve` warms up the prompts `warmup_prompts` gives for its batch limit; then no request waits for a compile,
+    whatever its prompt's length. The demo's MoE layers gather experts for passes of up to 4 tokens: a 3-row draft
+    chain takes both paths (a first pass of 12 tokens, later ones of 3), a 6-row one every expert in all, and a
+    batch-1 prompt (31 tokens, then 25) every expert in its prompt pass and gathered ones in its decode steps; a
+    one-token prompt is a size of 1 (as a prompt that prefix caching holds but for its last token)."""
+    model, info = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=True), 0)
+    limit = info["gathered_token_limit"]
+    assert 3 <= limit < 6, limit
+    for warmup in warmup_prompts(8, limit):
+        decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=3))
     graphs = counters["stats"]["unique_graphs"]
     battery = prompts(9)
-    twelve = GenerateRequest(battery + [prompt[:5] for prompt in battery[:3]], 8, num_speculative_tokens=3)
-    compiled = decode_batch(model, twelve)
+    requests = [GenerateRequest(battery[:rows], 8, num_speculative_tokens=3) for rows in (1, 3, 6)]
+    requests += [GenerateRequest([prompt], 8, num_speculative_tokens=3) for prompt in (battery[8], battery[0][:1])]
+    compiled = [decode_batch(model, request).tokens for request in requests]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
     eager, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3), 0)
-    assert compiled.tokens == decode_batch(eager, twelve).tokens
+    assert compiled == [decode_batch(eager, request).tokens for request in requests]
+
+
+def test_serve_warms_up_prompts_past_the_gathered_expert_limit_the_ranks_report():
+    """`serve`'s warm-up plan at PP 2 (run eager here: the plan is the same): the ranks report where their MoE layers
+    stop gathering experts (the demo's: 8 experts, top 2, so 4 tokens), and after two-token prompts at batch 1, 2 and
+    4 come one-token prompts and prompts one token past the limit, at batch 1 and 2."""
+    output = io.StringIO()
+    with Engine(RuntimeOptions("demo", pp=2, num_speculative_tokens=3, timeout=60)) as engine:
+        assert [info["gathered_token_limit"] for info in engine.rank_info] == [4, 4]
+        compile_step(engine, 4, Console(file=output, width=120))
+    shown = re.findall(r"batch (\d+), prompts of (\d+) tokens", output.getvalue())
+    assert [tuple(map(int, task)) for task in shown] == [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (1, 5), (2, 5)]
 
 
 class BreaksTheGraph(torch.nn.Module):

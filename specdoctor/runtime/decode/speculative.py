@@ -16,7 +16,7 @@ import torch
 
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import take_rows
-from specdoctor.runtime.compile import DecodeGraphs
+from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.decode.rejection import verify_greedy, verify_random
 from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
 from specdoctor.runtime.faults import Faults
@@ -58,7 +58,7 @@ class Drafts:
             next_tokens, features = self._stale_rows(next_tokens, features)
         if self.past_dummy_limit(positions, base):
             self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
-        elif self.sampler.all_greedy and isinstance(getattr(self.drafter, "greedy_chain", None), DecodeGraphs):
+        elif self.sampler.all_greedy and isinstance(getattr(self.drafter, "greedy_chain", None), LayerGraphs):
             # Every draft an argmax, the chain compiled: one graph for the whole chain (runtime/compile.py).
             self.tokens = self.drafter.greedy_drafts(next_tokens, features, positions, base, self.cache, self.k)
             self.probs = None

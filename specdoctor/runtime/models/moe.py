@@ -42,7 +42,9 @@ class Router(nn.Module):
 # Below this many bytes of gathered expert weights a step runs every routed expert it picked in one
 # batched matmul over copies of their weights. Above it, a layer whose routed experts together take at
 # most EVERY_EXPERT_LIMIT_BYTES runs every expert over every token (weighted 0 where not picked), and a
-# larger one loops over the experts hit, reading them in place (and its expert list on the host).
+# larger one loops over the experts hit, reading them in place (and its expert list on the host). Where
+# every expert may run, gathering stops sooner: once it would copy more expert matrices than every expert
+# reads (docs/performance.md, Serving: the MoE paths measured).
 GATHER_LIMIT_BYTES = 16 << 20
 
 
@@ -79,21 +81,29 @@ class MoE(FusedWeights):
             expert.gate_up = self.gate_up[index]
 
     def gathered_token_limit(self) -> int:
-        """The most tokens a pass routes through `gathered_experts` (none with packed experts)."""
-        return 0 if self.packed else GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
+        """The most tokens a pass routes through `gathered_experts` (none with packed experts): as many as copy
+        at most GATHER_LIMIT_BYTES of weights, and where every expert may run, at most E / top_k (N tokens copy
+        N x top_k expert matrices, every expert reads E)."""
+        if self.packed:
+            return 0
+        if self.every_expert_fits():
+            return len(self.experts) // self.top_k
+        return GATHER_LIMIT_BYTES // (self.top_k * self.expert_bytes)
+
+    def every_expert_fits(self) -> bool:
+        return not self.packed and len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES
 
     def loop_token_limit(self) -> int | None:
         """The most tokens a pass can take without the per-expert loop, which reads its expert list on the
         host (so a compiled pass must stay under it); None: any number."""
-        every_expert = not self.packed and len(self.experts) * self.expert_bytes <= EVERY_EXPERT_LIMIT_BYTES
-        return None if every_expert else self.gathered_token_limit()
+        return None if self.every_expert_fits() else self.gathered_token_limit()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         flat = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.gate(flat)
         if not self.packed and flat.shape[0] <= self.gathered_token_limit():
             out = self.gathered_experts(flat, weights, expert_ids)
-        elif self.loop_token_limit() is None:
+        elif self.every_expert_fits():
             out = self.every_expert(flat, weights, expert_ids)
         else:
             out = self.looped_experts(flat, weights, expert_ids)
