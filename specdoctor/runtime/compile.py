@@ -3,19 +3,20 @@ instead of a few hundred small ops, each of which costs more in dispatch than in
 (docs/performance.md: the step profile).
 
 What is compiled is the part of a pass after its entry point has done the host work: the stage's layers
-(`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point
-looks up the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled
-graph holds no host synchronisation; the span reaches it as the mask's size, so one graph serves every
-length, prompt passes' included. An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`: its k steps,
-each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from one host read before
-it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass. Passes the
-graphs would have to break, or retrace per length, stay eager: prompt passes of modules whose layers loop over
-the positions (`loops_over_positions`: Gated DeltaNet's recurrence, which a trace unrolls, so each prompt length
-would be a graph of its own), and passes that take an MoE layer's per-expert loop, which reads its expert list on
-the host (models whose routed experts are too large to gather or run all at once, GLM-4.5's at any batch, and
-packed quantised experts at any size; the floating-point demos' never do). A grouped-GEMM MoE kernel would lift
-that limit. On CUDA the same graphs are compiled without CUDA graphs (`mode="reduce-overhead"`): a step writes
-its KV cache, a graph input, in place, and Inductor skips CUDA graphs for graphs that mutate their inputs.
+(`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point looks up
+the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled graph holds no
+host synchronisation; the span reaches it as the mask's size, so one graph serves every length, prompt passes'
+included (sizes of 1 and each MoE path aside). An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`:
+its k steps, each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from one host
+read before it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass.
+Passes the graphs would have to break, or retrace per length, stay eager: prompt passes longer than a verify pass
+of modules whose layers loop over the positions (`loops_over_positions`: Gated DeltaNet's recurrence, which a
+trace unrolls, so each prompt length would be a graph of its own), and passes that take an MoE layer's per-expert
+loop, which reads its expert list on the host (models whose routed experts are too large to gather or run all at
+once, GLM-4.5's at any batch, and packed quantised experts at any size; the floating-point demos' never do). A
+grouped-GEMM MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
+(`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips CUDA graphs
+for graphs that mutate their inputs.
 
 Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
 does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
@@ -36,14 +37,15 @@ import torch
 
 from specdoctor import kernels
 from specdoctor.runtime import tensor_parallel
+from specdoctor.runtime.cache.prefix import BLOCK_SIZE
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
 # A verify pass feeds the pending token and k <= 8 drafts; the drafter's chain steps feed one position. Past
 # that, a pass is a prompt's.
 DECODE_POSITIONS = MAX_SPECULATIVE_TOKENS + 1
-# Graphs a rank may need: one or several positions, times batch 1 or larger, per compiled module; past as many
-# compiles in one process a module runs eager.
+# Graphs a rank may need, per compiled module: batch, positions and cache span each 1 or larger, times each MoE
+# path; past as many compiles in one process a module runs eager.
 RECOMPILE_LIMIT = 32
 
 
@@ -71,17 +73,17 @@ def warmup_batches(max_batch: int) -> list[int]:
 def warmup_prompts(max_batch: int, gathered_tokens: int) -> list[list[list[int]]]:
     """The batches of prompts whose prompt passes and decode steps meet every graph a batch of up to `max_batch`
     rows can need, where MoE layers gather experts for passes of up to `gathered_tokens` tokens (the ranks'
-    `gathered_token_limit`): two-token prompts at each of `warmup_batches`; one-token prompt passes at batch 1 and
-    2 (a size of 1 gets graphs of its own, and prefix caching leaves a prompt of 16n + 1 tokens seen before one
-    token to compute); then, where a two-token prompt is gathered, prompts one token past the limit at batch 1 and
-    2 (a prompt pass past it takes every expert, which no decode pass of one row, nor a two-token prompt pass of
-    two, reaches)."""
+    `gathered_token_limit`): two-token prompts at each of `warmup_batches`, one-token prompts (sizes of 1 get graphs
+    of their own), then, at batch 1 and 2, prompts of 16n + 1 tokens past the limit, each sent twice. The first
+    time their prompt pass takes every expert, which no decode pass of one row (k + 1 <= the limit) nor a two-token
+    prompt pass of two reaches; the second time, with prefix caching, it computes the one token past the cached
+    blocks against a cache of 16n + 1 positions (a one-token pass over a longer cache is another graph again)."""
     few = warmup_batches(min(max_batch, 2))
     batches = [[[1, 2]] * batch for batch in warmup_batches(max_batch)] + [[[1]] * batch for batch in few]
-    if gathered_tokens < 2:
-        return batches
-    past = [1] * (gathered_tokens + 1)
-    return batches + [[past] * batch for batch in few]
+    length = BLOCK_SIZE * (gathered_tokens // BLOCK_SIZE + 1) + 1
+    for batch in few:  # a token of its own per batch size: one size's blocks are no prefix of the other's
+        batches += [[[batch] * length] * batch] * 2
+    return batches
 
 
 def compile_layers(module: torch.nn.Module) -> None:

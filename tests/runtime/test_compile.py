@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,39 +106,54 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     assert broken not in now and set(saved[1:]) <= now and len(now) == len(saved)  # the broken file replaced
 
 
-@pytest.mark.slow  # about 3 minutes: the demo's graphs for batches 1 to 8 and its prompt passes
+@pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 8 and its prompt passes
 @pytest.mark.timeout(1500)
 def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup_compiled(cache_dir):
-    """`serve` warms up the prompts `warmup_prompts` gives for its batch limit; then no request waits for a compile,
-    whatever its prompt's length. The demo's MoE layers gather experts for passes of up to 4 tokens: a 3-row draft
-    chain takes both paths (a first pass of 12 tokens, later ones of 3), a 6-row one every expert in all, and a
-    batch-1 prompt (31 tokens, then 25) every expert in its prompt pass and gathered ones in its decode steps; a
-    one-token prompt is a size of 1 (as a prompt that prefix caching holds but for its last token)."""
-    model, info = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=True), 0)
+    """`serve` (prefix caching on) warms up the prompts `warmup_prompts` gives for its batch limit; then no request
+    waits for a compile, whatever its prompt's length and cached blocks. The demo's MoE layers gather experts for
+    passes of up to 4 tokens: a 3-row draft chain takes both paths (a first pass of 12 tokens, later ones of 3), a
+    6-row one every expert in all, and a batch-1 prompt (31 tokens, then 25) every expert in its prompt pass and
+    gathered ones in its decode steps. A one-token prompt is a size of 1; so is the one token left to compute of a
+    prompt of 16n + 1 tokens whose blocks an earlier request left in the prefix cache, over a longer cache."""
+    options = RuntimeOptions("demo", num_speculative_tokens=3, enable_prefix_caching=True)
+    model, info = load_rank(replace(options, compile=True), 0)
     limit = info["gathered_token_limit"]
     assert 3 <= limit < 6, limit
     for warmup in warmup_prompts(8, limit):
         decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=3))
     graphs = counters["stats"]["unique_graphs"]
     battery = prompts(9)
-    requests = [GenerateRequest(battery[:rows], 8, num_speculative_tokens=3) for rows in (1, 3, 6)]
-    requests += [GenerateRequest([prompt], 8, num_speculative_tokens=3) for prompt in (battery[8], battery[0][:1])]
-    compiled = [decode_batch(model, request).tokens for request in requests]
+    batches = [battery[:rows] for rows in (1, 3, 6)] + [[battery[8]], [battery[0][:1]]]
+    batches += [[battery[1][:33]], [battery[2][:17], battery[3][:17]]]  # all but the last token cached
+    requests = [GenerateRequest(batch, 8, num_speculative_tokens=3) for batch in batches]
+    compiled = [decode_batch(model, request) for request in requests]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
-    eager, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3), 0)
-    assert compiled == [decode_batch(eager, request).tokens for request in requests]
+    assert compiled[-2].cached_tokens == [32] and compiled[-1].cached_tokens == [16, 16]
+    eager, _ = load_rank(options, 0)
+    assert [run.tokens for run in compiled] == [decode_batch(eager, request).tokens for request in requests]
 
 
 def test_serve_warms_up_prompts_past_the_gathered_expert_limit_the_ranks_report():
     """`serve`'s warm-up plan at PP 2 (run eager here: the plan is the same): the ranks report where their MoE layers
     stop gathering experts (the demo's: 8 experts, top 2, so 4 tokens), and after two-token prompts at batch 1, 2 and
-    4 come one-token prompts and prompts one token past the limit, at batch 1 and 2."""
+    4 come one-token prompts, then prompts of 17 tokens (past the limit, all but one token in a block) twice each, at
+    batch 1 and 2."""
     output = io.StringIO()
     with Engine(RuntimeOptions("demo", pp=2, num_speculative_tokens=3, timeout=60)) as engine:
         assert [info["gathered_token_limit"] for info in engine.rank_info] == [4, 4]
         compile_step(engine, 4, Console(file=output, width=120))
     shown = re.findall(r"batch (\d+), prompts of (\d+) tokens", output.getvalue())
-    assert [tuple(map(int, task)) for task in shown] == [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1), (1, 5), (2, 5)]
+    assert [tuple(map(int, task)) for task in shown] == [
+        (1, 2),
+        (2, 2),
+        (4, 2),
+        (1, 1),
+        (2, 1),
+        (1, 17),
+        (1, 17),
+        (2, 17),
+        (2, 17),
+    ]
 
 
 class BreaksTheGraph(torch.nn.Module):
