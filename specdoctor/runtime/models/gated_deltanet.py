@@ -63,7 +63,7 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     # `delta_rule` steps through the positions in Python: a compiled pass would unroll it, a graph per prompt
-    # length, so --compile leaves prompt passes eager (runtime/compile.py).
+    # length, so --compile leaves prompt passes longer than a verify pass eager (runtime/compile.py).
     loops_over_positions = True
 
     def __init__(self, config, layer_id: int):
