@@ -1,8 +1,10 @@
 """Where a serving load's time goes, in one process: `serve`'s continuous batching loop (`RunningBatch`) on the
-demo, compiled and warmed up as `serve` warms up, with c streams each sending the battery prompts back to back (a
-request joins as soon as one finishes; each makes --max-tokens tokens, no stop tokens, as with `ignore_eos`). No
-HTTP, tokenizer or rank processes: the time split between admitting requests (their prompt passes, joined into
-the running batch), dropping finished rows and decode steps, and tokens/s over the three.
+demo, compiled and warmed up as `serve` warms up, with `serve`'s prefix caching, and c streams each sending the
+battery prompts back to back (a request joins as soon as one finishes; each makes --max-tokens tokens, no stop
+tokens, as with `ignore_eos`). No HTTP, tokenizer or rank processes: the time split between admitting requests
+(their prompt passes, joined into the running batch), dropping finished rows and decode steps, tokens/s over the
+three, and what one join and one step cost: the joiners, their prompt tokens computed (past the blocks prefix
+caching restored) and the milliseconds, against a step's rows and milliseconds.
 
     python -m benchmarks.serve_replay [--streams 1 16] [--requests 96] [--max-tokens 64] [--json runs/serve_replay.json]
 """
@@ -10,6 +12,7 @@ the running batch), dropping finished rows and decode steps, and tokens/s over t
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from rich.progress import Progress
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.serve import ServeOptions
+from specdoctor.commands.serve import ServeOptions, serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.compile import warmup_prompts
@@ -30,13 +33,15 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
 K = 3
+PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
 
 
 @torch.no_grad()
 def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tokens: int) -> dict:
     running = RunningBatch(model, K, sampled_drafts=False)
     seconds = {"admit": 0.0, "drop": 0.0, "step": 0.0}
-    sent = finished = tokens = steps = 0
+    sent = finished = tokens = steps = joins_run = joiners = prompt_tokens = rows = 0
+    prompt_of: dict[str, list[int]] = {}
 
     def joins(count: int) -> list:
         nonlocal sent
@@ -44,6 +49,7 @@ def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tok
             (JOIN, (str(sent + n), SequenceRequest(prompts[(sent + n) % len(prompts)], max_tokens)))
             for n in range(count)
         ]
+        prompt_of.update((request_id, sequence.prompt) for _, (request_id, sequence) in new)
         sent += count
         return new
 
@@ -56,7 +62,12 @@ def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tok
     messages = joins(min(streams, requests))
     while finished < requests:
         timed("admit", running.apply, messages)
-        news = timed("drop", running.updates)  # rows a prompt pass finished
+        joins_run, joiners = joins_run + bool(messages), joiners + len(messages)
+        news = timed("drop", running.updates)  # a joiner's first token, or a row its prompt pass finished
+        # a joiner's first news: the prompt tokens its pass computed, past those prefix caching restored
+        firsts = [(prompt_of.pop(rid), update) for rid, update in news.items() if rid in prompt_of]
+        prompt_tokens += sum(len(prompt) - update.cached_tokens for prompt, update in firsts)
+        rows += len(running.ids)
         timed("step", running.step)
         news.update(merge_updates(news, timed("drop", running.updates)))  # a joiner's first token, then its step's
         steps += 1
@@ -65,7 +76,14 @@ def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tok
         finished += done
         messages = joins(min(done, requests - sent))
     wall = sum(seconds.values())
-    return {"streams": streams, "tokens": tokens, "steps": steps, "tokens_per_s": tokens / wall, **seconds}
+    per_join = {
+        "joiners_per_join": joiners / joins_run,
+        "prompt_tokens_per_join": prompt_tokens / joins_run,
+        "ms_per_join": 1000 * seconds["admit"] / joins_run,
+        "rows_per_step": rows / steps,
+        "ms_per_step": 1000 * seconds["step"] / steps,
+    }
+    return {"streams": streams, "tokens": tokens, "steps": steps, "tokens_per_s": tokens / wall, **seconds, **per_join}
 
 
 def main() -> None:
@@ -77,7 +95,8 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Checkpoint("demo")
     prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0]
-    model, info = load_rank(RuntimeOptions("demo", num_speculative_tokens=K, compile=True), 0)
+    options = RuntimeOptions("demo", num_speculative_tokens=K, compile=True, enable_prefix_caching=PREFIX_CACHING)
+    model, info = load_rank(options, 0)
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("warming up (compiling)", total=None)
@@ -89,7 +108,20 @@ def main() -> None:
             rows.append(replay(model, prompts, streams, args.requests, args.max_tokens))
     table = numeric_table(
         f"serving loop, in one process (demo, compiled, k {K}, {args.requests} requests x {args.max_tokens} tokens)",
-        ("streams", "tok/s", "steps", "admit s", "drop s", "step s", "admit share"),
+        (
+            "streams",
+            "tok/s",
+            "steps",
+            "admit s",
+            "drop s",
+            "step s",
+            "admit share",
+            "joiners",
+            "prompt tokens",
+            "ms/join",
+            "rows",
+            "ms/step",
+        ),
     )
     for row in rows:
         wall = row["admit"] + row["drop"] + row["step"]
@@ -101,12 +133,19 @@ def main() -> None:
             f"{row['drop']:.2f}",
             f"{row['step']:.2f}",
             f"{row['admit'] / wall:.0%}",
+            f"{row['joiners_per_join']:.1f}",
+            f"{row['prompt_tokens_per_join']:.1f}",
+            f"{row['ms_per_join']:.1f}",
+            f"{row['rows_per_step']:.1f}",
+            f"{row['ms_per_step']:.1f}",
         )
     console = Console(width=140)
     console.print(table)
     console.print("admit: the joiners' prompt passes and joining the running batch; drop: finished rows leaving it")
+    console.print("per join: joiners, prompt tokens computed (past the blocks prefix caching restored), ms; per step:")
+    console.print(f"rows and ms. Prefix caching: {'on' if PREFIX_CACHING else 'off'}, as `serve`'s default")
     console.print(f"machine: {machine()}")
-    write_json(args.json, {"k": K, "max_tokens": args.max_tokens, "rows": rows})
+    write_json(args.json, {"k": K, "max_tokens": args.max_tokens, "prefix_caching": PREFIX_CACHING, "rows": rows})
 
 
 if __name__ == "__main__":
