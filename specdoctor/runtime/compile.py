@@ -74,14 +74,16 @@ def warmup_prompts(max_batch: int, gathered_tokens: int) -> list[list[list[int]]
     """The batches of prompts whose prompt passes and decode steps meet every graph a batch of up to `max_batch`
     rows can need, where MoE layers gather experts for passes of up to `gathered_tokens` tokens (the ranks'
     `gathered_token_limit`): two-token prompts at each of `warmup_batches`, one-token prompts (sizes of 1 get graphs
-    of their own), then, at batch 1 and 2, prompts of 16n + 1 tokens past the limit, each sent twice. The first
-    time their prompt pass takes every expert, which no decode pass of one row (k + 1 <= the limit) nor a two-token
-    prompt pass of two reaches; the second time, with prefix caching, it computes the one token past the cached
-    blocks against a cache of 16n + 1 positions (a one-token pass over a longer cache is another graph again)."""
-    few = warmup_batches(min(max_batch, 2))
-    batches = [[[1, 2]] * batch for batch in warmup_batches(max_batch)] + [[[1]] * batch for batch in few]
+    of their own), then prompts of 16n + 1 tokens past the limit, each sent twice. The first time their prompt
+    pass takes every expert, which no decode pass of one row (k + 1 <= the limit) nor a two-token prompt pass of two
+    reaches; the second time, with prefix caching, it computes the one token past the cached blocks against a cache
+    of 16n + 1 positions (a one-token pass over a longer cache is another graph again). The one-token passes run at
+    batch 1, 2 (gathered experts up to the limit) and the first warm-up batch past the limit (every expert)."""
+    sizes = warmup_batches(max_batch)
+    one_token = sorted({*sizes[:2], *[batch for batch in sizes if batch > gathered_tokens][:1]})
+    batches = [[[1, 2]] * batch for batch in sizes] + [[[1]] * batch for batch in one_token]
     length = BLOCK_SIZE * (gathered_tokens // BLOCK_SIZE + 1) + 1
-    for batch in few:  # a token of its own per batch size: one size's blocks are no prefix of the other's
+    for batch in one_token:  # a token of its own per batch size: one size's blocks are no prefix of the other's
         batches += [[[batch] * length] * batch] * 2
     return batches
 

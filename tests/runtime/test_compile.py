@@ -114,7 +114,9 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     passes of up to 4 tokens: a 3-row draft chain takes both paths (a first pass of 12 tokens, later ones of 3), a
     6-row one every expert in all, and a batch-1 prompt (31 tokens, then 25) every expert in its prompt pass and
     gathered ones in its decode steps. A one-token prompt is a size of 1; so is the one token left to compute of a
-    prompt of 16n + 1 tokens whose blocks an earlier request left in the prefix cache, over a longer cache."""
+    prompt of 16n + 1 tokens whose blocks an earlier request left in the prefix cache, over a longer cache; six of
+    either joining at once take every expert (before the warm-up ran them past the limit, such a burst waited
+    14 to 39 s for a compile)."""
     options = RuntimeOptions("demo", num_speculative_tokens=3, enable_prefix_caching=True)
     model, info = load_rank(replace(options, compile=True), 0)
     limit = info["gathered_token_limit"]
@@ -124,11 +126,12 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     graphs = counters["stats"]["unique_graphs"]
     battery = prompts(9)
     batches = [battery[:rows] for rows in (1, 3, 6)] + [[battery[8]], [battery[0][:1]]]
-    batches += [[battery[1][:33]], [battery[2][:17], battery[3][:17]]]  # all but the last token cached
+    batches += [[battery[4][:1]] * 6]  # six one-token prompts at once
+    batches += [[battery[1][:33]], [battery[2][:17], battery[3][:17]], [battery[5][:17]] * 6]  # all but one cached
     requests = [GenerateRequest(batch, 8, num_speculative_tokens=3) for batch in batches]
     compiled = [decode_batch(model, request) for request in requests]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
-    assert compiled[-2].cached_tokens == [32] and compiled[-1].cached_tokens == [16, 16]
+    assert [run.cached_tokens for run in compiled[-3:]] == [[32], [16, 16], [16] * 6]
     eager, _ = load_rank(options, 0)
     assert [run.tokens for run in compiled] == [decode_batch(eager, request).tokens for request in requests]
 
