@@ -98,12 +98,19 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
     again, traced = decode_in_a_new_process(env)
     assert again == eager and traced == 0  # every graph loaded, none traced
 
-    broken = saved[0]  # cut off (a full disk, a killed writer): that graph is compiled again, the others load
-    broken.write_bytes(broken.read_bytes()[:1000])
+    # Cut off (a full disk, a killed writer): the stage's graphs (its prompt pass's and its decode step's) are
+    # compiled again and the draft chain's loads. All of one method's graphs at once: the decode step's graph also
+    # takes the prompt pass, so with one of them broken, whether the other is traced depends on the order their
+    # files load in.
+    directories = {path.parent for path in saved}
+    broken = max(([path for path in saved if path.parent == directory] for directory in directories), key=len)
+    assert len(directories) == 2 and len(broken) == 2, saved
+    for path in broken:
+        path.write_bytes(path.read_bytes()[:1000])
     again, traced = decode_in_a_new_process(env)
-    assert again == eager and traced == 1
+    assert again == eager and traced == len(broken)
     now = set(cache_dir.rglob("*.graph"))
-    assert broken not in now and set(saved[1:]) <= now and len(now) == len(saved)  # the broken file replaced
+    assert not now & set(broken) and set(saved) - set(broken) <= now and len(now) == len(saved)  # files replaced
 
 
 @pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 8 and its prompt passes
