@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -86,6 +87,20 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
+def servers() -> list[tuple[str, Callable]]:
+    """(name, start) of each server compared: `serve` compiled and eager, vLLM with its CPU defaults and both cores."""
+    return [
+        # The default, compiled (the test helper's default is eager: named here); minutes from a cold cache.
+        (
+            "specdoctor serve",
+            lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--compile", start_timeout_s=900),
+        ),
+        ("specdoctor serve --no-compile", lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--no-compile")),
+        ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
+        ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
+    ]
+
+
 def measure(name: str, start, prompts: list[str], args) -> list[dict]:
     server = start()
     try:
@@ -105,17 +120,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    servers = [
-        # The default, compiled (the test helper's default is eager: named here); minutes from a cold cache.
-        (
-            "specdoctor serve",
-            lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--compile", start_timeout_s=900),
-        ),
-        ("specdoctor serve --no-compile", lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--no-compile")),
-        ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
-        ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
-    ]
-    rows = [row for name, start in servers for row in measure(name, start, prompts, args)]
+    rows = [row for name, start in servers() for row in measure(name, start, prompts, args)]
     table = numeric_table(
         f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}",
         ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"),

@@ -20,6 +20,7 @@ from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.heap import frozen_startup_heap
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import RequestError
 
@@ -114,7 +115,8 @@ class ContinuousScheduler:
         listener = threading.Thread(target=listen, name="specdoctor-updates", daemon=True)
         listener.start()
         try:
-            await asyncio.Event().wait()  # until the server shuts down and cancels this task
+            with frozen_startup_heap():  # the app, the tokenizer, torch: no full collection walks them mid-request
+                await asyncio.Event().wait()  # until the server shuts down and cancels this task
         finally:
             stopped.set()
 

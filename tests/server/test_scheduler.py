@@ -9,6 +9,7 @@ batch's request ids as the ranks' RunningBatch does and handing out the RowUpdat
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import time
 
@@ -21,6 +22,7 @@ from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import RequestError
 from specdoctor.server.scheduler import ContinuousScheduler, Job
+from tests.helpers.heap import collector_walks
 
 
 class BatchEngine:
@@ -220,3 +222,19 @@ def test_a_failed_pipeline_fails_every_request_and_refuses_new_ones_with_a_503()
         assert refused.value.status == 503 and "the pipeline is down" in str(refused.value)
 
     run(test, max_running=1)
+
+
+def test_serving_freezes_the_start_up_heap_so_a_full_collection_skips_it():
+    """A full collection walked the server's start-up objects for 100-200 ms mid-request (runtime/heap.py); once
+    serving ends they are the collector's again (an interpreter that exits frees them)."""
+    from_start_up = []  # a tracked object that lives on, as the app's and the tokenizer's do
+
+    async def test(scheduler, engine):
+        await asyncio.sleep(0)  # run() has started serving
+        made_while_serving = []
+        assert engine.continuous and gc.get_freeze_count() > 0
+        assert not collector_walks(from_start_up)
+        assert collector_walks(made_while_serving)
+
+    run(test)
+    assert gc.get_freeze_count() == 0 and collector_walks(from_start_up)
