@@ -7,7 +7,9 @@ at a time, the servers of `benchmarks/serve_load.py`.
 Each server answers one short request (as serve_load warms up), then `--bursts` bursts one after another: c
 requests sent at once (the battery prompts, shifted by one per burst; streamed, `ignore_eos`), the next burst once
 all have finished. Per burst: time to first token (TTFT) median and slowest, and completion tokens/s over the
-burst. Every burst does the same work, so a slower first burst is start-up work left for the first requests.
+burst. The bursts differ only in what prefix caching (on in `serve` and vLLM) restores: the first computes the
+battery prompts (a prompt pass of a few milliseconds), later ones find them cached. A first burst slower by far
+more than that is start-up work left for the first requests.
 """
 
 from __future__ import annotations
