@@ -24,7 +24,7 @@ import httpx
 from rich.console import Console
 
 from benchmarks.common import machine, numeric_table, write_json
-from benchmarks.serve_load import K, one_request, servers
+from benchmarks.serve_load import K, on_each_server, one_request
 from specdoctor.battery import load_battery
 
 
@@ -57,14 +57,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/serve_bursts.json"))
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    rows = []
-    for name, start in servers():
-        server = start()
-        try:
-            found = asyncio.run(bursts(server.url, prompts, args.streams, args.bursts, args.max_tokens))
-        finally:
-            server.stop()
-        rows += [{"server": name, **row} for row in found]
+    rows = on_each_server(lambda url: asyncio.run(bursts(url, prompts, args.streams, args.bursts, args.max_tokens)))
     table = numeric_table(
         f"Bursts of {args.streams} requests after start: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens",
         ("server", "burst", "TTFT median ms", "TTFT slowest ms", "tok/s"),
@@ -80,7 +73,7 @@ def main() -> None:
     console = Console(width=120)
     console.print(table)
     console.print(f"machine: {machine()}")
-    write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "machine": machine(), "rows": rows})
+    write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "rows": rows})  # and the machine
 
 
 if __name__ == "__main__":

@@ -101,15 +101,16 @@ def servers() -> list[tuple[str, Callable]]:
     ]
 
 
-def measure(name: str, start, prompts: list[str], args) -> list[dict]:
-    server = start()
-    try:
-        return [
-            {"server": name, **asyncio.run(drive(server.url, prompts, c, args.max_tokens, args.rounds))}
-            for c in args.streams
-        ]
-    finally:
-        server.stop()
+def on_each_server(run: Callable[[str], list[dict]]) -> list[dict]:
+    """`run(url)` against each of `servers()`, one server at a time; its rows labelled with the server's name."""
+    rows = []
+    for name, start in servers():
+        server = start()
+        try:
+            rows += [{"server": name, **row} for row in run(server.url)]
+        finally:
+            server.stop()
+    return rows
 
 
 def main() -> None:
@@ -120,7 +121,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    rows = [row for name, start in servers() for row in measure(name, start, prompts, args)]
+    rows = on_each_server(
+        lambda url: [asyncio.run(drive(url, prompts, c, args.max_tokens, args.rounds)) for c in args.streams]
+    )
     table = numeric_table(
         f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}",
         ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"),
