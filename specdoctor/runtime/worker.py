@@ -32,6 +32,7 @@ from specdoctor.runtime.drafter.policy import Provenance
 from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
+from specdoctor.runtime.heap import freeze_survivors, frozen_startup_heap
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
@@ -151,31 +152,35 @@ def serve(
     alike and stay silent, but for the drafter's operations, whose answers differ per shard."""
     speaks = model.comm.tp_rank == 0
     first, last = model.placement.is_first and speaks, model.placement.is_last and speaks
-    while True:
-        kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
-        if kind == "shutdown":
-            return
-        if kind == "continuous":  # serves until shutdown
-            report = (lambda news: reply("updates", news)) if last else None
-            run_continuous(model, *payload, poll, report)
-            return
-        if kind == "generate":
-            result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
-            if first:
-                reply("result", result)
-        elif kind == "score":
-            logits = prompt_logits(model, payload)
-            if last:
-                reply("logits", logits)
-        elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
-            readings = probe_taps(model, payload)
-            if last:
-                reply(kind, readings)
-        elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
-            operation, combine = DRAFTER_OPERATIONS[kind]
-            answers = model.comm.gather_tp(operation(model, **payload), kind)
-            if last:
-                reply(kind, combine(answers))
+    # The loaded model, then what each command kept (the first ones compile the graphs): no full collection walks
+    # them in the middle of a step or a timed run.
+    with frozen_startup_heap():
+        while True:
+            kind, payload = model.comm.broadcast_command(next_command() if next_command else None)
+            if kind == "shutdown":
+                return
+            if kind == "continuous":  # serves until shutdown
+                report = (lambda news: reply("updates", news)) if last else None
+                run_continuous(model, *payload, poll, report)
+                return
+            if kind == "generate":
+                result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
+                if first:
+                    reply("result", result)
+            elif kind == "score":
+                logits = prompt_logits(model, payload)
+                if last:
+                    reply("logits", logits)
+            elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
+                readings = probe_taps(model, payload)
+                if last:
+                    reply(kind, readings)
+            elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
+                operation, combine = DRAFTER_OPERATIONS[kind]
+                answers = model.comm.gather_tp(operation(model, **payload), kind)
+                if last:
+                    reply(kind, combine(answers))
+            freeze_survivors()  # after the reply: outside the command's time
 
 
 def keep_freed_memory_mapped() -> None:

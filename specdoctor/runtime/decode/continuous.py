@@ -20,7 +20,6 @@ from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel
 from specdoctor.runtime.decode.requests import SequenceRequest
-from specdoctor.runtime.heap import frozen_startup_heap
 
 
 @dataclass(frozen=True)
@@ -102,18 +101,17 @@ def run_continuous(
     messages; it waits for one when idle); only the reporting rank has `report` (every step's news, and
     an empty beat at least once a second so the controller can tell a quiet pipeline from a dead one)."""
     running, last_report = RunningBatch(model, k, sampled_drafts), time.monotonic()
-    with frozen_startup_heap():  # the loaded model and warm-up's graphs: no full collection walks them mid-step
-        while True:
-            messages = model.comm.broadcast_command(poll(running.batch is None) if poll else None)
-            if any(kind == SHUTDOWN for kind, _ in messages):
-                return
-            running.apply(messages)
-            news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
-            running.step()
-            news.update(merge_updates(news, running.updates()))
-            if report and (news or time.monotonic() - last_report >= 1.0):
-                report(news)
-                last_report = time.monotonic()
+    while True:
+        messages = model.comm.broadcast_command(poll(running.batch is None) if poll else None)
+        if any(kind == SHUTDOWN for kind, _ in messages):
+            return
+        running.apply(messages)
+        news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
+        running.step()
+        news.update(merge_updates(news, running.updates()))
+        if report and (news or time.monotonic() - last_report >= 1.0):
+            report(news)
+            last_report = time.monotonic()
 
 
 def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> dict[str, RowUpdate]:

@@ -4,17 +4,12 @@ demo, so the regrouped rows carry KV caches and linear-attention recurrent state
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-from specdoctor.runtime.decode.continuous import JOIN, SHUTDOWN, run_continuous
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
-from tests.helpers.heap import collector_walks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
 SAMPLINGS = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
@@ -53,23 +48,3 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs():
         joined = run_joining(engine)
     assert [joined[str(i)] for i in range(len(PROMPTS))] == solo
     assert [len(tokens) for tokens in solo] == LIMITS  # every request ran to its own limit
-
-
-def test_a_serving_rank_freezes_its_start_up_heap_so_a_full_collection_skips_it():
-    """A rank's full collection walked its model's objects for 100-200 ms mid-step (runtime/heap.py): while it
-    serves, what it loaded is out of the collector's reach, what serving allocates is not; thawed once it stops."""
-    model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3), 0)
-    stage = model.stage  # one of start-up's objects, alive for the whole run
-    seen: list[tuple[bool, bool]] = []
-    news: list[dict] = []
-    commands = iter([[(JOIN, ("0", SequenceRequest(PROMPTS[0], 4)))], []])
-
-    def poll(idle: bool) -> list:
-        made_while_serving = []
-        seen.append((collector_walks(stage), collector_walks(made_while_serving)))
-        return next(commands, [(SHUTDOWN, None)])
-
-    run_continuous(model, 3, False, poll, news.append)
-    assert seen and all(step == (False, True) for step in seen)
-    assert gc.get_freeze_count() == 0 and collector_walks(stage)
-    assert sum(len(update.new_tokens) for step in news for update in step.values()) >= 1  # it served a request
