@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -14,6 +14,9 @@ PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% 
 
 MAX_CHOICES = 16  # n per request
 MAX_LOGPROBS = 20  # top alternatives per token, vLLM's default --max-logprobs
+
+
+StopString = Annotated[StrictStr, Field(min_length=1)]  # vLLM refuses an empty one: it would stop at once
 
 
 class StreamOptions(BaseModel):
@@ -29,7 +32,7 @@ class SamplingFields(BaseModel):
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopString | list[StopString] | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: these ids end the request too
     ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's end-of-sequence ids
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: log-probability entries named "token_id:N"
@@ -40,7 +43,7 @@ class SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def token_limit(self) -> int | None:

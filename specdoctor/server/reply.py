@@ -13,12 +13,7 @@ from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.server.protocol import RequestError, SamplingFields
 from specdoctor.server.scheduler import ContinuousScheduler, Job
-
-
-def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Cut the text at the earliest stop string; True when one was found."""
-    cuts = [index for stop in stops if (index := text.find(stop)) >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+from specdoctor.server.text import StreamedText, apply_stop
 
 
 class Reply:
@@ -27,8 +22,9 @@ class Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
+        self.texts = {job.id: StreamedText(state.codec, self.stops) for job in jobs}
         for job in jobs:
-            job.should_stop = self.stopped if self.stops else None
+            job.should_stop = self.texts[job.id].feed if self.stops else None
 
     def decode(self, tokens: list[int]) -> str:
         return self.state.codec.decode(tokens)
@@ -39,7 +35,11 @@ class Reply:
     def finish(self, job: Job) -> tuple[str, str]:
         """The choice's text and finish reason. A stop string ends the tokens at the one that completed it,
         as an engine checking after every token would (a step may have emitted a few more)."""
-        text, stopped = apply_stop(self.decode(job.tokens), self.stops)
+        streamed = self.texts.get(job.id)
+        if streamed is not None and streamed.stopped:  # cut where the text as it grew met the stop, as streamed
+            text, stopped = streamed.ready(), True
+        else:  # the whole text: a stop may end in the last step's bytes that made no character until now
+            text, stopped = apply_stop(self.decode(job.tokens), self.stops)
         if stopped:
             kept = self.kept_tokens(job.tokens)
             job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]
@@ -124,29 +124,24 @@ class Reply:
             self.state.metrics.record_request("error", len(job.sequence.prompt), 0, None)
 
     async def events(self, scheduler: ContinuousScheduler):
-        updates: asyncio.Queue[int] = asyncio.Queue()
+        updates: asyncio.Queue[int | None] = asyncio.Queue()  # a job's index when it gained tokens; None: all ended
         for index, job in enumerate(self.jobs):
-            job.on_tokens = lambda _tokens, index=index: updates.put_nowait(index)
+            job.on_tokens = lambda index=index: updates.put_nowait(index)
         generation = asyncio.gather(*(scheduler.result(job) for job in self.jobs))
-        hold = max((len(s) for s in self.stops), default=1) - 1  # text that may still become a stop string
+        generation.add_done_callback(lambda _: updates.put_nowait(None))
         sent, sent_tokens = [""] * len(self.jobs), [0] * len(self.jobs)
         try:
-            while not generation.done():
-                update = asyncio.create_task(updates.get())
-                await asyncio.wait({update, generation}, return_when=asyncio.FIRST_COMPLETED)
-                if not update.done():
-                    update.cancel()
-                    break
-                index = update.result()
+            while (index := await updates.get()) is not None:
                 job = self.jobs[index]
-                text, stopped = apply_stop(self.decode(job.tokens), self.stops)
-                ready = text if stopped else text[: len(text) - hold].rstrip("\ufffd")
-                if len(ready) > len(sent[index]) and ready.startswith(sent[index]):
-                    covered = self.kept_tokens(job.tokens) if stopped else len(job.tokens)  # none past a stop
+                text = self.texts[job.id]
+                text.feed(job.tokens)
+                ready = text.ready()
+                if len(ready) > len(sent[index]):
+                    covered = self.kept_tokens(job.tokens) if text.stopped else len(job.tokens)  # none past a stop
                     yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], covered)
                     sent[index], sent_tokens[index] = ready, covered
             await generation
-        except asyncio.CancelledError:  # the client went away: its requests leave the batch
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: its requests leave the batch
             generation.cancel()
             raise
         except Exception as err:

@@ -28,7 +28,7 @@ from specdoctor.server.protocol import RequestError
 @dataclass
 class Job:
     sequence: SequenceRequest
-    on_tokens: Callable[[list[int]], None] | None = None  # runs on the event loop with the tokens so far
+    on_tokens: Callable[[], None] | None = None  # runs on the event loop when the job gained tokens
     should_stop: Callable[[list[int]], bool] | None = None  # a stop string appeared: end the request now
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived: float = field(default_factory=time.perf_counter)
@@ -141,7 +141,7 @@ class ContinuousScheduler:
                 reason = "stop"
                 self.engine.cancel(request_id)
             if job.on_tokens and update.new_tokens:
-                job.on_tokens(list(job.tokens))
+                job.on_tokens()
             if reason is not None:
                 del self.running[request_id]
                 job.finish_reason = reason

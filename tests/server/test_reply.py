@@ -25,8 +25,9 @@ from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.server.app import ServerState
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest
-from specdoctor.server.reply import Reply, apply_stop, token_logprobs
+from specdoctor.server.reply import Reply, token_logprobs
 from specdoctor.server.scheduler import ContinuousScheduler, Job
+from specdoctor.server.text import apply_stop
 from tests.server.test_scheduler import BatchEngine
 
 CODEC = load_codec(Checkpoint("demo"), None, needed_for="the test")
@@ -308,3 +309,24 @@ def test_a_step_past_a_stop_string_streams_only_the_kept_tokens_logprobs():
     assert jobs[0].tokens == TOKENS[:kept]
     streamed_tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
     assert streamed_tokens == [CODEC.decode([t]) for t in TOKENS[:kept]]
+
+
+def test_a_stream_closed_at_a_chunk_takes_its_request_out_of_the_engine():
+    """A client that goes away while its stream waits at a chunk: the server closes the stream there (GeneratorExit,
+    not a cancelled task), and the request must leave the batch then, not run on to its limit."""
+    jobs = [Job(SequenceRequest(PROMPT, 64))]
+    reply = Reply(server_state(), CompletionRequest(prompt="x", stream=True), jobs, chat=False)
+
+    async def close_after_one_chunk(reply, scheduler, step):
+        events = reply.events(scheduler)
+        step({0: step_update(TOKENS[:2])})
+        await anext(events)
+        running_before = list(scheduler.engine.batch)
+        await events.aclose()
+        for _ in range(3):  # the cancellation reaches the job's waiter in a later turn of the loop
+            await asyncio.sleep(0)
+        return running_before, dict(scheduler.running), list(scheduler.engine.batch)
+
+    running_before, running, batch = serve(reply, jobs, close_after_one_chunk)
+    assert running_before == [jobs[0].id]
+    assert running == {} and batch == []

@@ -131,7 +131,7 @@ def test_a_full_queue_is_a_429_and_a_request_is_refused_whole():
 
 def test_each_steps_news_gathers_into_the_job_until_it_finishes():
     seen: list[list[int]] = []
-    streamed = job(7, on_tokens=seen.append)
+    streamed = job(7, on_tokens=lambda: seen.append(list(streamed.tokens)))
 
     async def test(scheduler, engine):
         scheduler.enqueue([streamed])

@@ -267,6 +267,8 @@ def test_token_id_prompts_n_choices_usage_and_max_completion_tokens(server):
         ({"prompt": "", "max_tokens": 4}, 400, "prompt"),
         ({"prompt": "x", "n": 17}, 400, "n"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "x", "stop": ""}, 400, "stop"),  # vLLM refuses an empty stop string too
+        ({"prompt": "x", "stop": ["END", ""]}, 400, "stop"),
         ({"max_tokens": 4}, 400, "prompt"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ],
