@@ -57,7 +57,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("runs/serve_bursts.json"))
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    rows = on_each_server(lambda url: asyncio.run(bursts(url, prompts, args.streams, args.bursts, args.max_tokens)))
+    rows = on_each_server(
+        lambda url, _pid: asyncio.run(bursts(url, prompts, args.streams, args.bursts, args.max_tokens))
+    )
     table = numeric_table(
         f"Bursts of {args.streams} requests after start: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens",
         ("server", "burst", "TTFT median ms", "TTFT slowest ms", "tok/s"),

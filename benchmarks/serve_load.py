@@ -6,8 +6,10 @@ The demo model, fp32, PP 1, greedy, MTP with k 3 on every server. For each numbe
 c clients each send the 9 battery prompts `--rounds` times, back to back, streamed (`ignore_eos`, so every
 request makes `--max-tokens` tokens). Reported per server and c: completion tokens/s over the wall time,
 time to first token (TTFT) and time per output token after the first (TPOT = (last chunk - first chunk) /
-(tokens - 1) per request), p50 and p99. vLLM runs twice: with its CPU defaults (compute bound to one core,
-the other reserved) and with both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`).
+(tokens - 1) per request), p50 and p99, and the CPU seconds each side spent per 1,000 tokens: the server's
+front process (HTTP, text, scheduling), its engine processes (`serve`'s ranks, vLLM's engine core) and this
+client. vLLM runs twice: with its CPU defaults (compute bound to one core, the other reserved) and with both
+cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +33,11 @@ from tests.peer.vllm_server import VllmServer
 
 K = 3
 BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CPU_COLUMNS = {  # column: row key
+    "front CPU s/1k tok": "front_cpu_s_per_1k_tokens",
+    "engine CPU s/1k tok": "engine_cpu_s_per_1k_tokens",
+    "client CPU s/1k tok": "client_cpu_s_per_1k_tokens",
+}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -57,8 +65,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return {"ttft": chunks[0] - sent, "tpot": tpot, "tokens": tokens}
 
 
-async def drive(url: str, prompts: list[str], streams: int, max_tokens: int, rounds: int) -> dict:
-    """`streams` clients, each sending every prompt `rounds` times back to back."""
+async def drive(url: str, prompts: list[str], streams: int, max_tokens: int, rounds: int, pid: int) -> dict:
+    """`streams` clients, each sending every prompt `rounds` times back to back, to the server whose front
+    process is `pid`."""
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, prompts[0], 4)  # warm-up, not counted
 
@@ -66,9 +75,11 @@ async def drive(url: str, prompts: list[str], streams: int, max_tokens: int, rou
             order = [prompts[(offset + i) % len(prompts)] for i in range(len(prompts) * rounds)]
             return [await one_request(client, url, prompt, max_tokens) for prompt in order]
 
-        started = time.perf_counter()
+        started, cpu_before, client_before = time.perf_counter(), cpu_seconds(pid), time.process_time()
         results = [r for per_stream in await asyncio.gather(*(stream(s) for s in range(streams))) for r in per_stream]
         wall = time.perf_counter() - started
+        client_cpu, (front, engine) = time.process_time() - client_before, cpu_seconds(pid)
+    per_1k_tokens = 1000 / sum(r["tokens"] for r in results)
     ttfts = sorted(r["ttft"] for r in results)
     tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
     return {
@@ -79,7 +90,33 @@ async def drive(url: str, prompts: list[str], streams: int, max_tokens: int, rou
         "ttft_p99_ms": 1000 * percentile(ttfts, 99),
         "tpot_p50_ms": 1000 * percentile(tpots, 50),
         "tpot_p99_ms": 1000 * percentile(tpots, 99),
+        "front_cpu_s_per_1k_tokens": (front - cpu_before[0]) * per_1k_tokens,
+        "engine_cpu_s_per_1k_tokens": (engine - cpu_before[1]) * per_1k_tokens,
+        "client_cpu_s_per_1k_tokens": client_cpu * per_1k_tokens,
     }
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by a process and by its descendants (those alive now), from Linux's /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended since it was listed (a compile worker)
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    def descendants(pid: int) -> list[int]:
+        try:
+            children = [
+                int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
+            ]
+        except OSError:
+            return []
+        return children + [d for child in children for d in descendants(child)]
+
+    return own(pid), sum(own(child) for child in descendants(pid))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,13 +138,14 @@ def servers() -> list[tuple[str, Callable]]:
     ]
 
 
-def on_each_server(run: Callable[[str], list[dict]]) -> list[dict]:
-    """`run(url)` against each of `servers()`, one server at a time; its rows labelled with the server's name."""
+def on_each_server(run: Callable[[str, int], list[dict]]) -> list[dict]:
+    """`run(url, front process id)` against each of `servers()`, one server at a time; its rows labelled with the
+    server's name."""
     rows = []
     for name, start in servers():
         server = start()
         try:
-            rows += [{"server": name, **row} for row in run(server.url)]
+            rows += [{"server": name, **row} for row in run(server.url, server.process.pid)]
         finally:
             server.stop()
     return rows
@@ -122,11 +160,11 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
     rows = on_each_server(
-        lambda url: [asyncio.run(drive(url, prompts, c, args.max_tokens, args.rounds)) for c in args.streams]
+        lambda url, pid: [asyncio.run(drive(url, prompts, c, args.max_tokens, args.rounds, pid)) for c in args.streams]
     )
     table = numeric_table(
         f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}",
-        ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"),
+        ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", *CPU_COLUMNS),
     )
     for row in rows:
         table.add_row(
@@ -134,8 +172,9 @@ def main() -> None:
             str(row["streams"]),
             f"{row['tokens_per_s']:.1f}",
             *(f"{row[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")),
+            *(f"{row[key]:.3f}" for key in CPU_COLUMNS.values()),
         )
-    console = Console(width=150)
+    console = Console(width=200)
     console.print(table)
     for streams in args.streams:
         best = max((r for r in rows if r["server"].startswith("vLLM") and r["streams"] == streams), key=rate)
