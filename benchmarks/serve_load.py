@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -101,22 +102,25 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     tick = os.sysconf("SC_CLK_TCK")
 
     def own(pid: int) -> float:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended since it was listed (a compile worker)
-            return 0.0
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
 
     def descendants(pid: int) -> list[int]:
-        try:
-            children = [
-                int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
-            ]
-        except OSError:
-            return []
+        children = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended since it was listed
+                children += [int(child) for child in (task / "children").read_text().split()]
         return children + [d for child in children for d in descendants(child)]
 
-    return own(pid), sum(own(child) for child in descendants(pid))
+    def alive(pid: int) -> float:
+        with contextlib.suppress(OSError):  # a process that ended since it was listed (a compile worker)
+            return own(pid)
+        return 0.0
+
+    engines = descendants(pid)
+    if not engines:
+        raise RuntimeError(f"the server {pid} has no engine process to measure")
+    return own(pid), sum(alive(child) for child in engines)
 
 
 def percentile(values: list[float], q: float) -> float:

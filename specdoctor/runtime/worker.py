@@ -163,24 +163,31 @@ def serve(
                 report = (lambda news: reply("updates", news)) if last else None
                 run_continuous(model, *payload, poll, report)
                 return
-            if kind == "generate":
-                result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
-                if first:
-                    reply("result", result)
-            elif kind == "score":
-                logits = prompt_logits(model, payload)
-                if last:
-                    reply("logits", logits)
-            elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
-                readings = probe_taps(model, payload)
-                if last:
-                    reply(kind, readings)
-            elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
-                operation, combine = DRAFTER_OPERATIONS[kind]
-                answers = model.comm.gather_tp(operation(model, **payload), kind)
-                if last:
-                    reply(kind, combine(answers))
-            freeze_survivors()  # after the reply: outside the command's time
+            run_command(model, kind, payload, reply, first, last)
+            # After the reply, so the rank's own times leave it out; a controller's next command waits for it,
+            # but it walks only what this command kept, not the frozen heap.
+            freeze_survivors()
+
+
+def run_command(model: RankModel, kind: str, payload, reply: Callable[[str, object], None], first: bool, last: bool):
+    """One command of `serve`'s loop; its results are no longer referenced once it returns (none gets frozen)."""
+    if kind == "generate":
+        result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
+        if first:
+            reply("result", result)
+    elif kind == "score":
+        logits = prompt_logits(model, payload)
+        if last:
+            reply("logits", logits)
+    elif kind == "probe_taps":  # every rank takes part; the drafter's rank answers
+        readings = probe_taps(model, payload)
+        if last:
+            reply(kind, readings)
+    elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
+        operation, combine = DRAFTER_OPERATIONS[kind]
+        answers = model.comm.gather_tp(operation(model, **payload), kind)
+        if last:
+            reply(kind, combine(answers))
 
 
 def keep_freed_memory_mapped() -> None:

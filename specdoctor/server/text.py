@@ -13,11 +13,20 @@ from tokenizers.decoders import DecodeStream
 
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 
+INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream, on text that does not extend its last
+
+
+def earliest_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Where the stop string that completes first (from `start`) begins: a step of several tokens is cut as adding
+    them one at a time would cut it (vLLM's rule; ties go to the earlier in the list)."""
+    found = [(index + len(stop), index) for stop in stops if (index := text.find(stop, start)) >= 0]
+    return min(found, key=lambda end_index: end_index[0])[1] if found else None
+
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Cut the text at the earliest stop string; True when one was found."""
-    cuts = [index for stop in stops if (index := text.find(stop)) >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+    """Cut the text at the stop string that completes first; True when one was found."""
+    cut = earliest_stop(text, stops)
+    return (text, False) if cut is None else (text[:cut], True)
 
 
 class StreamedText:
@@ -26,7 +35,7 @@ class StreamedText:
     def __init__(self, codec: TextCodec, stops: list[str]):
         self.codec, self.stops = codec, stops
         self.reach = max((len(stop) for stop in stops), default=1) - 1  # how far back a stop can begin
-        self.decoder: DecodeStream | None = DecodeStream(skip_special_tokens=True)  # as TextCodec.decode skips them
+        self.decoder = DecodeStream(skip_special_tokens=True)  # as TextCodec.decode skips them
         self.text, self.fed = "", 0
         self.stop_at: int | None = None  # where the earliest stop string begins, once one has appeared
 
@@ -40,19 +49,25 @@ class StreamedText:
         self.fed = len(tokens)
         if self.stops and len(self.text) > before:
             start = max(0, before - self.reach)  # a stop not found before must end in the new text
-            cuts = [index for stop in self.stops if (index := self.text.find(stop, start)) >= 0]
-            self.stop_at = min(cuts) if cuts else None
+            self.stop_at = earliest_stop(self.text, self.stops, start)
         return self.stopped
 
     def added_text(self, tokens: list[int]) -> str:
-        if self.decoder is not None:
-            try:
-                pieces = [self.decoder.step(self.codec.tokenizer, token) for token in tokens[self.fed :]]
-                return "".join(piece for piece in pieces if piece)
-            except Exception:  # tokenizers' bare Exception ("Invalid prefix encountered") on some byte-fallback runs
-                self.decoder = None  # this job's text is decoded whole from now on
-        whole = self.codec.decode(tokens).rstrip("\ufffd")  # an unfinished character waits, as in the stream
-        return whole[len(self.text) :] if whole.startswith(self.text) else ""
+        return "".join(piece for token in tokens[self.fed :] if (piece := self.step(token)))
+
+    def step(self, token: int) -> str | None:
+        """The text `token` completes, if any, recovering as vLLM's detokenizer does."""
+        try:
+            return self.decoder.step(self.codec.tokenizer, token)
+        except (OverflowError, TypeError):  # an id the tokenizer cannot take: no text for it
+            return None
+        except Exception as err:  # tokenizers raises a bare Exception
+            if not str(err).startswith(INVALID_PREFIX):
+                raise
+            # Some byte-fallback sequences decode to text that does not extend the text before, which breaks the
+            # stream's state: a new stream starts at this token (its text is appended, never rewritten).
+            self.decoder = DecodeStream(skip_special_tokens=True)
+            return self.decoder.step(self.codec.tokenizer, token)
 
     @property
     def stopped(self) -> bool:
@@ -63,4 +78,4 @@ class StreamedText:
         could still begin one."""
         if self.stop_at is not None:
             return self.text[: self.stop_at]
-        return self.text[: len(self.text) - self.reach]
+        return self.text[: max(0, len(self.text) - self.reach)]

@@ -62,12 +62,13 @@ def completing_token(tokens: list[int], stops: list[str]) -> int:
     "text, stops, expected",
     [
         ("abc STOP def END", ["END", "STOP"], ("abc ", True)),  # the earliest in the text, not in the list
+        ("say </answer> now", ["</answer>", "answer"], ("say </", True)),  # the first to complete, as vLLM cuts
         ("abc STOP def", ["nope"], ("abc STOP def", False)),
         ("STOP at once", ["STOP"], ("", True)),
         ("overlap: ENDSTOP", ["STOP", "DST"], ("overlap: EN", True)),
     ],
 )
-def test_apply_stop_cuts_at_the_earliest_stop_string(text, stops, expected):
+def test_apply_stop_cuts_at_the_stop_string_that_completes_first(text, stops, expected):
     assert apply_stop(text, stops) == expected
 
 

@@ -17,7 +17,7 @@ from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.server.protocol import CompletionRequest
 from specdoctor.server.reply import Reply
 from specdoctor.server.scheduler import Job
-from specdoctor.server.text import StreamedText, apply_stop
+from specdoctor.server.text import INVALID_PREFIX, StreamedText
 from tests.server.test_reply import CODEC, PROMPT, events_payloads, serve, server_state, step_update
 
 TRAINING_TEXT = [
@@ -70,8 +70,6 @@ def test_the_streamed_text_is_the_whole_decode_less_only_bytes_that_make_no_char
         whole = codec.decode(tokens)
         assert whole.startswith(streamed.text)
         assert whole == streamed.text or whole.endswith("\ufffd")  # held back: an unfinished character
-        assert streamed.ready() == streamed.text  # no stop strings: nothing else is held back
-    assert not streamed.stopped
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -91,14 +89,32 @@ def test_a_stop_string_is_found_at_the_step_that_completes_it_and_cuts_the_text_
         tokens += step
         found = streamed.feed(tokens)
         whole = codec.decode(tokens)
-        cuts = [index for stop in stops if (index := whole.find(stop)) >= 0]
+        cut = first_completed(whole, stops)
         if found:
-            assert cuts and streamed.ready() == whole[: min(cuts)]
+            assert streamed.ready() == whole[:cut]
             break
         if not whole.endswith("\ufffd"):  # every character is whole, so the stream has all of the text
-            assert not cuts
-            assert streamed.ready() == whole[: len(whole) - (longest - 1)]  # what could still begin a stop held
+            assert cut is None
+            assert streamed.ready() == whole[: max(0, len(whole) - (longest - 1))]  # what could begin a stop held
     assert found  # the stops are in the text: one is met
+
+
+def first_completed(text: str, stops: list[str]) -> int | None:
+    """Where the stop string that completes first begins (the earlier in the list on a tie), as vLLM cuts."""
+    best = None
+    for stop in stops:
+        index = text.find(stop)
+        if index >= 0 and (best is None or index + len(stop) < best[0]):
+            best = (index + len(stop), index)
+    return best[1] if best else None
+
+
+def test_text_shorter_than_a_stop_string_is_held_back_whole():
+    streamed, tokens = StreamedText(CODEC, ["User:"]), CODEC.encode("User: hi")
+    for count in range(1, len(tokens) + 1):  # "U", "Us", ...: each may still begin "User:", so none is shown
+        streamed.feed(tokens[:count])
+        assert streamed.ready() == ""
+    assert streamed.stopped and streamed.text.startswith("User:")
 
 
 def test_a_stream_decodes_each_token_once_not_the_whole_text_every_step(monkeypatch):
@@ -126,22 +142,31 @@ def test_a_stream_decodes_each_token_once_not_the_whole_text_every_step(monkeypa
 class FailingDecodeStream:
     """tokenizers' `DecodeStream` as it fails on some byte-fallback sequences: a bare Exception."""
 
+    def __init__(self, message: str):
+        self.message = message
+
     def step(self, tokenizer, token):
-        raise Exception("Invalid prefix encountered")
+        raise Exception(self.message)
 
 
-def test_a_stream_the_tokenizer_cannot_step_goes_on_decoding_the_whole_text(codec):
+def test_a_stream_the_tokenizer_cannot_step_starts_again_at_that_token_and_only_grows(codec):
+    """As vLLM recovers from tokenizers' "Invalid prefix encountered": a new stream from the token that failed."""
     steps = random_steps(codec, seed=11)
-    stop = codec.decode([token for step in steps for token in step])[-12:-6]  # met late, after the failure
-    streamed, tokens, texts = StreamedText(codec, [stop]), [], []
+    streamed, tokens, texts = StreamedText(codec, []), [], []
     for index, step in enumerate(steps):
         if index == 5:
-            streamed.decoder = FailingDecodeStream()
+            streamed.decoder, failed_at, text_before = FailingDecodeStream(INVALID_PREFIX), len(tokens), streamed.text
         tokens += step
-        if streamed.feed(tokens):
-            break
+        streamed.feed(tokens)
         texts.append(streamed.text)
-        assert codec.decode(tokens).startswith(streamed.text)
-    assert streamed.decoder is None and streamed.stopped
+    assert not isinstance(streamed.decoder, FailingDecodeStream)
     assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))  # it only ever grew
-    assert streamed.ready() == apply_stop(codec.decode(tokens), [stop])[0]
+    after = codec.decode(tokens[failed_at:])
+    assert streamed.text == text_before + after or after.endswith("\ufffd")
+
+
+def test_any_other_tokenizer_failure_is_raised():
+    streamed = StreamedText(CODEC, [])
+    streamed.decoder = FailingDecodeStream("something else")
+    with pytest.raises(Exception, match="something else"):
+        streamed.feed(CODEC.encode("hi"))
