@@ -106,8 +106,12 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
 
     def descendants(pid: int) -> list[int]:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:  # a process that ended since it was listed (a compile worker)
+            return []
         children = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
+        for task in tasks:
             with contextlib.suppress(OSError):  # a thread that ended since it was listed
                 children += [int(child) for child in (task / "children").read_text().split()]
         return children + [d for child in children for d in descendants(child)]

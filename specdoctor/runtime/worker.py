@@ -170,7 +170,8 @@ def serve(
 
 
 def run_command(model: RankModel, kind: str, payload, reply: Callable[[str, object], None], first: bool, last: bool):
-    """One command of `serve`'s loop; its results are no longer referenced once it returns (none gets frozen)."""
+    """One command of `serve`'s loop, in a function of its own: its results are gone when the loop freezes what
+    survived it."""
     if kind == "generate":
         result = decode_batch(model, payload, on_step=StepReporter(reply, payload.stream) if first else None)
         if first:

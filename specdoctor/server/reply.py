@@ -37,11 +37,13 @@ class Reply:
         as an engine checking after every token would (a step may have emitted a few more)."""
         streamed = self.texts.get(job.id)
         if streamed is not None and streamed.stopped:  # cut where the text as it grew met the stop, as streamed
-            text, stopped = streamed.ready(), True
+            text, kept = streamed.ready(), streamed.kept_tokens()
+        elif streamed is not None and streamed.restarted:  # a whole decode no longer extends the streamed text
+            text, kept = streamed.text, None
         else:  # the whole text: a stop may end in the last step's bytes that made no character until now
             text, stopped = apply_stop(self.decode(job.tokens), self.stops)
-        if stopped:
-            kept = self.kept_tokens(job.tokens)
+            kept = self.kept_tokens(job.tokens) if stopped else None
+        if kept is not None:
             job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]
             job.finish_reason = "stop"
         self.state.metrics.record_request(job.finish_reason, len(job.sequence.prompt), len(job.tokens), job.metrics)
@@ -137,7 +139,7 @@ class Reply:
                 text.feed(job.tokens)
                 ready = text.ready()
                 if len(ready) > len(sent[index]):
-                    covered = self.kept_tokens(job.tokens) if text.stopped else len(job.tokens)  # none past a stop
+                    covered = text.kept_tokens() if text.stopped else len(job.tokens)  # none past a stop
                     yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], covered)
                     sent[index], sent_tokens[index] = ready, covered
             await generation

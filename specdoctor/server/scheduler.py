@@ -137,7 +137,12 @@ class ContinuousScheduler:
             job.logprobs += update.new_logprobs
             job.metrics, job.cached_tokens = update.metrics, update.cached_tokens
             reason = update.finish_reason
-            if reason is None and job.should_stop and job.should_stop(job.tokens):
+            try:
+                stopping = reason is None and job.should_stop is not None and job.should_stop(job.tokens)
+            except Exception as err:  # its text cannot be decoded: this request fails, the step's others go on
+                self._end(request_id, job, err)
+                continue
+            if stopping:
                 reason = "stop"
                 self.engine.cancel(request_id)
             if job.on_tokens and update.new_tokens:
@@ -148,6 +153,12 @@ class ContinuousScheduler:
                 if not job.future.done():
                     job.future.set_result(job)
         self._admit()
+
+    def _end(self, request_id: str, job: Job, err: Exception) -> None:
+        del self.running[request_id]
+        self.engine.cancel(request_id)
+        if not job.future.done():
+            job.future.set_exception(err)
 
     def _fail(self, err: Exception) -> None:
         self.failure = err

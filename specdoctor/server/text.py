@@ -9,6 +9,8 @@ could end in the new text (as vLLM's `check_stop_strings`).
 
 from __future__ import annotations
 
+import bisect
+
 from tokenizers.decoders import DecodeStream
 
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
@@ -16,17 +18,17 @@ from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream, on text that does not extend its last
 
 
-def earliest_stop(text: str, stops: list[str], start: int = 0) -> int | None:
-    """Where the stop string that completes first (from `start`) begins: a step of several tokens is cut as adding
-    them one at a time would cut it (vLLM's rule; ties go to the earlier in the list)."""
-    found = [(index + len(stop), index) for stop in stops if (index := text.find(stop, start)) >= 0]
-    return min(found, key=lambda end_index: end_index[0])[1] if found else None
+def earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, int] | None:
+    """(begin, end) of the stop string that completes first (from `start`): a step of several tokens is cut as
+    adding them one at a time would cut it (vLLM's rule; ties go to the earlier in the list)."""
+    found = [(index, index + len(stop)) for stop in stops if (index := text.find(stop, start)) >= 0]
+    return min(found, key=lambda span: span[1]) if found else None
 
 
 def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """Cut the text at the stop string that completes first; True when one was found."""
-    cut = earliest_stop(text, stops)
-    return (text, False) if cut is None else (text[:cut], True)
+    span = earliest_stop(text, stops)
+    return (text, False) if span is None else (text[: span[0]], True)
 
 
 class StreamedText:
@@ -36,24 +38,27 @@ class StreamedText:
         self.codec, self.stops = codec, stops
         self.reach = max((len(stop) for stop in stops), default=1) - 1  # how far back a stop can begin
         self.decoder = DecodeStream(skip_special_tokens=True)  # as TextCodec.decode skips them
-        self.text, self.fed = "", 0
-        self.stop_at: int | None = None  # where the earliest stop string begins, once one has appeared
+        self.text = ""
+        self.ends: list[int] = []  # the text's length after each token fed
+        self.stop: tuple[int, int] | None = None  # (begin, end) of the stop string met, once one has appeared
+        self.restarted = False  # the tokenizer could not step a token: the text no longer matches a whole decode
 
     def feed(self, tokens: list[int]) -> bool:
         """Decode the tokens past those already fed (`tokens`: all of the job's so far); True once a stop string
         has appeared. Bytes that do not make a whole character yet wait for the next token."""
-        if self.stop_at is not None:
+        if self.stop is not None:
             return True  # the text ends at the stop: nothing after it is shown
-        before = len(self.text)
-        self.text += self.added_text(tokens)
-        self.fed = len(tokens)
+        before = length = len(self.text)
+        pieces = []
+        for token in tokens[len(self.ends) :]:
+            if piece := self.step(token):
+                pieces.append(piece)
+                length += len(piece)
+            self.ends.append(length)
+        self.text += "".join(pieces)
         if self.stops and len(self.text) > before:
-            start = max(0, before - self.reach)  # a stop not found before must end in the new text
-            self.stop_at = earliest_stop(self.text, self.stops, start)
+            self.stop = earliest_stop(self.text, self.stops, max(0, before - self.reach))  # it ends in the new text
         return self.stopped
-
-    def added_text(self, tokens: list[int]) -> str:
-        return "".join(piece for token in tokens[self.fed :] if (piece := self.step(token)))
 
     def step(self, token: int) -> str | None:
         """The text `token` completes, if any, recovering as vLLM's detokenizer does."""
@@ -66,16 +71,20 @@ class StreamedText:
                 raise
             # Some byte-fallback sequences decode to text that does not extend the text before, which breaks the
             # stream's state: a new stream starts at this token (its text is appended, never rewritten).
-            self.decoder = DecodeStream(skip_special_tokens=True)
+            self.decoder, self.restarted = DecodeStream(skip_special_tokens=True), True
             return self.decoder.step(self.codec.tokenizer, token)
 
     @property
     def stopped(self) -> bool:
-        return self.stop_at is not None
+        return self.stop is not None
+
+    def kept_tokens(self) -> int:
+        """Once stopped: how many tokens the stop string keeps, up to the one that completed it."""
+        return bisect.bisect_left(self.ends, self.stop[1]) + 1
 
     def ready(self) -> str:
         """What may be sent: the text up to a stop string, or without its last `reach` characters, which
         could still begin one."""
-        if self.stop_at is not None:
-            return self.text[: self.stop_at]
+        if self.stop is not None:
+            return self.text[: self.stop[0]]
         return self.text[: max(0, len(self.text) - self.reach)]

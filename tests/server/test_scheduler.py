@@ -169,6 +169,23 @@ def test_a_stop_string_ends_the_request_at_once_and_takes_it_out_of_the_engine()
     assert stopping.finish_reason == "stop" and stopping.tokens == [5, 6, 99, 7]  # Reply.finish trims them
 
 
+def test_a_request_whose_stop_check_fails_fails_alone_and_the_steps_other_news_is_delivered():
+    """A tokenizer that raises while a stop string is looked for: that request ends with the error, and the others
+    in the same step still get their tokens and finish (the place it held goes to the next)."""
+    failing = job(should_stop=lambda tokens: 1 / 0)
+    finishing, waiting = job(), job()
+
+    async def test(scheduler, engine):
+        scheduler.enqueue([failing, finishing, waiting])
+        engine.news.put({failing.id: update([5]), finishing.id: update([6], "length")})
+        with pytest.raises(ZeroDivisionError):
+            await scheduler.result(failing)
+        assert (await scheduler.result(finishing)).tokens == [6]
+        assert engine.batch == [waiting.id] and list(scheduler.running) == [waiting.id]
+
+    run(test, max_running=2)
+
+
 def test_cancelling_frees_a_running_requests_place_or_takes_a_waiting_one_off_the_queue():
     a, b, c = job(), job(), job()
 

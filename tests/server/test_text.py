@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.decode.requests import SequenceRequest
+from specdoctor.server.app import ServerState
+from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import CompletionRequest
 from specdoctor.server.reply import Reply
 from specdoctor.server.scheduler import Job
@@ -92,6 +94,10 @@ def test_a_stop_string_is_found_at_the_step_that_completes_it_and_cuts_the_text_
         cut = first_completed(whole, stops)
         if found:
             assert streamed.ready() == whole[:cut]
+            kept = streamed.kept_tokens()  # the token that completed the stop: the decode up to it has one
+            assert first_completed(codec.decode(tokens[:kept]), stops) is not None
+            before_it = StreamedText(codec, stops)
+            assert not before_it.feed(tokens[: kept - 1])
             break
         if not whole.endswith("\ufffd"):  # every character is whole, so the stream has all of the text
             assert cut is None
@@ -110,11 +116,11 @@ def first_completed(text: str, stops: list[str]) -> int | None:
 
 
 def test_text_shorter_than_a_stop_string_is_held_back_whole():
-    streamed, tokens = StreamedText(CODEC, ["User:"]), CODEC.encode("User: hi")
-    for count in range(1, len(tokens) + 1):  # "U", "Us", ...: each may still begin "User:", so none is shown
+    streamed, tokens = StreamedText(CODEC, ["User: h"]), CODEC.encode("User: hi")
+    for count in range(1, len(tokens) + 1):  # "U", "User", ...: each may still begin "User: h", so none is shown
         streamed.feed(tokens[:count])
         assert streamed.ready() == ""
-    assert streamed.stopped and streamed.text.startswith("User:")
+    assert streamed.stopped and streamed.text.startswith("User: h")
 
 
 def test_a_stream_decodes_each_token_once_not_the_whole_text_every_step(monkeypatch):
@@ -159,10 +165,10 @@ def test_a_stream_the_tokenizer_cannot_step_starts_again_at_that_token_and_only_
         tokens += step
         streamed.feed(tokens)
         texts.append(streamed.text)
-    assert not isinstance(streamed.decoder, FailingDecodeStream)
+        if index >= 5:  # from the failed token on, the new stream's text is that of the tokens since
+            assert codec.decode(tokens[failed_at:]).startswith(streamed.text[len(text_before) :])
+    assert not isinstance(streamed.decoder, FailingDecodeStream) and streamed.restarted
     assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))  # it only ever grew
-    after = codec.decode(tokens[failed_at:])
-    assert streamed.text == text_before + after or after.endswith("\ufffd")
 
 
 def test_any_other_tokenizer_failure_is_raised():
@@ -170,3 +176,28 @@ def test_any_other_tokenizer_failure_is_raised():
     streamed.decoder = FailingDecodeStream("something else")
     with pytest.raises(Exception, match="something else"):
         streamed.feed(CODEC.encode("hi"))
+
+
+def test_after_a_restart_the_stream_ends_with_its_own_text_held_back_tail_included(tmp_path):
+    """Restarted at a SentencePiece-style token, the stream's text drops that token's leading space, so the whole
+    decode no longer extends what was sent: the last chunk must still bring the characters held back for a stop
+    string that never came, from the stream's own text."""
+    codec = sentencepiece_style_codec(tmp_path)
+    tokens = codec.encode("class Parser: def parse(self)")  # ... 'r', ':', '▁def', ...: the restart at '▁def'
+    split = [codec.tokenizer.id_to_token(token) for token in tokens].index("▁def")
+    state = ServerState(None, codec, "demo", "", None, ServerMetrics("demo", speculative=True))
+    jobs = [Job(SequenceRequest(PROMPT, 64))]
+    reply = Reply(state, CompletionRequest(prompt="x", stream=True, stop=["never"]), jobs, chat=False)
+
+    async def restart_midway(reply, scheduler, step):
+        events = reply.events(scheduler)
+        step({0: step_update(tokens[:split])})
+        first = await anext(events)
+        reply.texts[jobs[0].id].decoder = FailingDecodeStream(INVALID_PREFIX)
+        step({0: step_update(tokens[split:], "length")})
+        return [first] + [event async for event in events]
+
+    payloads = events_payloads(serve(reply, jobs, restart_midway))
+    streamed = reply.texts[jobs[0].id]
+    assert streamed.restarted and not codec.decode(tokens).startswith(streamed.text)
+    assert "".join(p["choices"][0]["text"] for p in payloads if p["choices"]) == streamed.text
