@@ -35,12 +35,15 @@ def test_a_rank_keeps_what_start_up_and_each_command_kept_out_of_full_collection
         made_now: list = []
         return (*(collector_walks(obj) for obj in objects), collector_walks(made_now))
 
+    replies: dict[str, list] = {"result": [], "updates": []}
+
     def reply(kind: str, payload) -> None:
         if kind in ("partial", "result"):
             seen["generate"].append(walked(stage))
             kept_by_the_batch.append([])
         else:  # "updates"
             seen["continuous"].append(walked(stage, kept_by_the_batch[0]))
+        replies.setdefault(kind, []).append(payload)
 
     def poll(idle: bool) -> list:
         seen["continuous"].append(walked(stage, kept_by_the_batch[0]))
@@ -50,3 +53,6 @@ def test_a_rank_keeps_what_start_up_and_each_command_kept_out_of_full_collection
     assert len(seen["generate"]) >= 3 and all(step == (False, True) for step in seen["generate"])
     assert len(seen["continuous"]) >= 3 and all(step == (False, False, True) for step in seen["continuous"])
     assert gc.get_freeze_count() == 0 and collector_walks(stage)
+    [result] = replies["result"]
+    assert len(result.tokens[0]) == 4  # the batch ran to its limit
+    assert sum(len(update.new_tokens) for step in replies["updates"] for update in step.values()) >= 1  # it served
