@@ -140,7 +140,8 @@ class ContinuousScheduler:
             try:
                 stopping = reason is None and job.should_stop is not None and job.should_stop(job.tokens)
             except Exception as err:  # its text cannot be decoded: this request fails, the step's others go on
-                self._end(request_id, job, err)
+                self.cancel(job)
+                job.future.set_exception(err)
                 continue
             if stopping:
                 reason = "stop"
@@ -153,12 +154,6 @@ class ContinuousScheduler:
                 if not job.future.done():
                     job.future.set_result(job)
         self._admit()
-
-    def _end(self, request_id: str, job: Job, err: Exception) -> None:
-        del self.running[request_id]
-        self.engine.cancel(request_id)
-        if not job.future.done():
-            job.future.set_exception(err)
 
     def _fail(self, err: Exception) -> None:
         self.failure = err
