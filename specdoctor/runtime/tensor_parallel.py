@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -205,8 +206,29 @@ def refusal(config, size: int) -> str | None:
 
 
 def runtime_refusal(checkpoint, drafter, options) -> str | None:
+    """Why the runtime will not run this pair: at `options.tp` > 1 what vLLM or specdoctor will not shard, then
+    more ranks on this machine than CUDA devices (NCCL refuses two ranks on one GPU)."""
+    return sharding_refusal(checkpoint, drafter, options) or device_refusal(options)
+
+
+def device_refusal(options) -> str | None:
+    if options.device.value != "cuda":
+        return None
+    # torchrun says how many of the group's ranks run on this machine; specdoctor's own launcher runs them all
+    local_ranks, devices = int(os.environ.get("LOCAL_WORLD_SIZE", options.tp * options.pp)), torch.cuda.device_count()
+    if devices == 0:
+        return "--device cuda: this machine has no CUDA device"
+    if local_ranks > devices:
+        return (
+            f"--tp {options.tp} x --pp {options.pp} on --device cuda: {local_ranks} ranks on this machine need as "
+            f"many CUDA devices (NCCL runs one rank per GPU), it has {devices}"
+        )
+    return None
+
+
+def sharding_refusal(checkpoint, drafter, options) -> str | None:
     """Why the runtime will not run this pair at `options.tp` > 1: vLLM's own rules (`refusal`), then what
-    specdoctor does not shard yet (refused, never approximated), then more ranks than devices."""
+    specdoctor does not shard yet (refused, never approximated)."""
     size, config = options.tp, checkpoint.config
     if size == 1:
         return None
@@ -217,9 +239,6 @@ def runtime_refusal(checkpoint, drafter, options) -> str | None:
         reason = "the runtime does not shard activation-ordered groups (weight_g_idx) yet"
     if reason is None and checkpoint.quantized and options.quantized_weights.value == "packed":
         reason = packed_slice_refusal(checkpoint, options)
-    ranks = size * options.pp
-    if reason is None and options.device.value == "cuda" and ranks > torch.cuda.device_count():
-        reason = f"{ranks} ranks need {ranks} CUDA devices, this machine has {torch.cuda.device_count()}"
     return f"--tensor-parallel-size {size}: {reason}" if reason else None
 
 

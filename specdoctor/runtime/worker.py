@@ -60,6 +60,10 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     its stage (and of the drafter on the last stage)."""
     comm = PipelineComm(rank, options.pp, options.tp, rank_device(options, rank), options.timeout)
     torch.manual_seed(comm.shared_seed())  # unseeded sampling draws alike on the TP ranks of the last stage
+    if comm.device.type == "cuda":
+        # SDPA's cuDNN backend (its pick for bf16 on Hopper) plans each new key length, and decoding grows it every
+        # step: 15 ms of host time per attention call on an H200. Flash and memory-efficient attention take any length.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model, info = build_rank(options, rank)
     model.comm = comm
     return model, info

@@ -25,6 +25,8 @@ from tests.helpers.browser import images_loaded
 from tests.quant.fp8_checkpoint import write_fp8_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+CUDA_DEVICES = torch.cuda.device_count()
+CUDA_REFUSAL = "ranks on this machine need as many CUDA devices" if CUDA_DEVICES else "this machine has no CUDA device"
 EMBED_KEY = "model.embed_tokens.weight"
 
 
@@ -335,6 +337,8 @@ def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path)
         (("--tensor-parallel-size", "3", "--repair"), "--tensor-parallel-size 3: 2 KV heads neither divide over"),
         (("--tp", "4"), "Total number of attention heads (6) must be divisible by tensor parallel size (4)"),
         (("--tp", "2", "--model", "demo-w4a16"), "input values of 192 are not whole multiples of 64"),
+        # NCCL runs one rank per GPU: one rank more than this machine's GPUs (on CI, --device cuda itself)
+        (("--device", "cuda", "--pp", str(CUDA_DEVICES + 1)), CUDA_REFUSAL),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
