@@ -48,3 +48,17 @@ def test_on_the_cpu_it_checks_every_pp_size_against_plain_and_the_cpu(tmp_path):
         assert row["speculative_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
     # PP 2 accepts exactly what PP 1 accepts: the same greedy drafts on the same text.
     assert rows[0]["acceptance_per_position"] == rows[1]["acceptance_per_position"]
+
+
+def test_in_bf16_a_difference_carries_its_evidence_and_only_ties_pass(tmp_path):
+    """The deployment dtype: whatever this machine's bf16 rounding gives, a row differs exactly where it has
+    evidence, and the script exits 1 only for a difference beyond rounding (bench's and check's rule)."""
+    out = tmp_path / "gpu.json"
+    result = run_script("--device", "cpu", "--demos", "demo", "--pp", "1", "--dtype", "bfloat16", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and "Traceback" not in result.stderr
+    (row,) = report["rows"]
+    assert row["lossless"] == (row["divergences"] == [])
+    beyond = [d for d in row["divergences"] if not (d["gap"] is not None and d["gap"] <= d["tolerance"])]
+    assert result.returncode == (1 if beyond else 0), result.stderr
+    assert ("yes" if row["lossless"] else "NO" if beyond else "ties") in result.stdout
