@@ -87,7 +87,9 @@ def run_serve(options: ServeOptions) -> None:
     check_port_free(options.host, options.port)
     name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
     console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
-    engine = Engine(runtime, checkpoint, show_progress=True)
+    # One core stays with this process (HTTP, text, scheduling), as vLLM's CPU workers keep one for its scheduler:
+    # a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
+    engine = Engine(runtime, checkpoint, show_progress=True, host_cores=1)
     runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:
         errors = startup_check(engine, not options.allow_unhealthy, TAP_PROBE, console)
@@ -105,7 +107,7 @@ def run_serve(options: ServeOptions) -> None:
         )
         listening = (
             f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
-            f"k {runtime.num_speculative_tokens})"
+            f"k {runtime.num_speculative_tokens}, {engine.rank_info[0]['threads']} compute thread(s) a rank)"
         )
         serve_http(state, options.host, options.port, lambda: console.print(listening, highlight=False))
     finally:

@@ -45,8 +45,15 @@ ERRORS = ("error", "peer_error")
 
 
 class Engine:
-    def __init__(self, options: RuntimeOptions, checkpoint: Checkpoint | None = None, show_progress: bool = False):
-        """Start the ranks; pass `checkpoint` when the caller has already opened it (no second header scan)."""
+    def __init__(
+        self,
+        options: RuntimeOptions,
+        checkpoint: Checkpoint | None = None,
+        show_progress: bool = False,
+        host_cores: int = 0,
+    ):
+        """Start the ranks; pass `checkpoint` when the caller has already opened it (no second header scan), and
+        `host_cores`: the cores the ranks leave to this process's own work (their threads take the rest)."""
         # Validate in this process first, so bad input fails before any rank starts.
         self.checkpoint = checkpoint or Checkpoint(options.model)
         self.checkpoint.require_runnable()
@@ -82,7 +89,15 @@ class Engine:
         self._processes = [
             context.Process(
                 target=rank_main,
-                args=(self.options, rank, port, self._inbox if rank == 0 else None, writer, dict(os.environ)),
+                args=(
+                    self.options,
+                    rank,
+                    port,
+                    self._inbox if rank == 0 else None,
+                    writer,
+                    dict(os.environ),
+                    host_cores,
+                ),
                 name=f"specdoctor-rank-{rank}",
                 daemon=True,
             )

@@ -222,7 +222,15 @@ def no_shared_progress_lock() -> None:
     TqdmDefaultWriteLock.mp_lock = None
 
 
-def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, environment: dict[str, str]) -> None:
+def rank_threads(ranks: int, host_cores: int) -> int:
+    """Each rank's intra-op threads: the machine's cores shared by its ranks, less `host_cores` left to the
+    controller's own work (`serve`'s HTTP front: vLLM's CPU backend keeps a core per rank for its scheduler)."""
+    return max(1, ((os.cpu_count() or 1) - host_cores) // ranks)
+
+
+def rank_main(
+    options: RuntimeOptions, rank: int, port: int, inbox, replies, environment: dict[str, str], host_cores: int
+) -> None:
     """Entry point of a rank process started by `Engine`; `replies` is this rank's own pipe to the controller.
     `environment`: the controller's, as it was when the engine started (the fork server's is older)."""
     # Ctrl-C reaches every process of the terminal's group: the controller stops the ranks, so a rank
@@ -232,7 +240,7 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, env
     os.environ.update(environment)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (options.pp * options.tp)))
+    torch.set_num_threads(rank_threads(options.pp * options.tp, host_cores))
     keep_freed_memory_mapped()
     no_shared_progress_lock()
     model = None
@@ -268,7 +276,7 @@ def rank_main(options: RuntimeOptions, rank: int, port: int, inbox, replies, env
 
     try:
         model, info = load_rank(options, rank)
-        reply("ready", info)
+        reply("ready", {**info, "threads": torch.get_num_threads()})
         first = rank == 0
         serve(model, next_command if first else None, reply, poll if first else None)
     except ControllerGone:  # stopped by a signal (the controller ends at once): nothing to say
