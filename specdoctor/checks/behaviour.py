@@ -70,7 +70,8 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def divergence_evidence(engine, prompts, plain, speculative) -> list[dict]:
     """Per prompt whose speculative output differs from target-only output: the first token where they differ
-    and the target's logits there, from one prompt pass over the prompt and the common prefix. `gap`: the
+    and the target's logits there, from a prompt pass over the prompt and the common prefix (one prompt at a time:
+    the logits come back for every position, and at once for many prompts they could fill memory). `gap`: the
     best logit minus the weaker of the two tokens emitted there (an output that ended there emitted its best
     EOS token); `within_rounding`: gap <= ROUNDING_LOGIT_ULPS units of the compute dtype at that logit."""
     import torch
@@ -78,13 +79,12 @@ def divergence_evidence(engine, prompts, plain, speculative) -> list[dict]:
     rows = [row for row, (a, b) in enumerate(zip(plain, speculative, strict=True)) if a != b]
     if not rows:
         return []
-    firsts = [first_difference(plain[row], speculative[row]) for row in rows]
-    prefixes = [prompts[row] + plain[row][:at] for row, at in zip(rows, firsts, strict=True)]
-    logits = engine.prompt_logits(prefixes).float()
     eps, eos = torch.finfo(engine.options.dtype.torch()).eps, list(engine.eos_token_ids)
     evidence = []
-    for n, (row, at) in enumerate(zip(rows, firsts, strict=True)):
-        scores = logits[n, len(prefixes[n]) - 1]
+    for row in rows:
+        at = first_difference(plain[row], speculative[row])
+        prefix = prompts[row] + plain[row][:at]
+        scores = engine.prompt_logits([prefix])[0, len(prefix) - 1].float()
         emitted = [output[at] if at < len(output) else None for output in (plain[row], speculative[row])]
         chosen = [float(scores[t]) if t is not None else float(scores[eos].max()) if eos else None for t in emitted]
         best = float(scores.max())

@@ -87,8 +87,8 @@ def run_serve(options: ServeOptions) -> None:
     check_port_free(options.host, options.port)
     name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
     console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
-    # One core stays with this process (HTTP, text, scheduling), as vLLM's CPU workers keep one for its scheduler:
-    # a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
+    # One core stays with this process (HTTP, text, scheduling), as vLLM's CPU backend keeps cores for its scheduler
+    # (one per worker): a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
     engine = Engine(runtime, checkpoint, show_progress=True, host_cores=1)
     runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:

@@ -212,8 +212,8 @@ def kept_guards(entries) -> list[bool]:
 
 def saved_graphs_dir(module: torch.nn.Module, method: str) -> Path:
     """The module's saved graphs: one directory per system (Python, torch, GPU: what torch checks before it
-    loads a graph), version of specdoctor's code, module class, kernel backend, tensor-parallel group and
-    parameter layout, so a start only loads graphs its guards can accept. (Guards on globals do not survive
+    loads a graph), version of specdoctor's code, module class, kernel backend, tensor-parallel group, intra-op
+    threads and parameter layout, so a start only loads graphs its guards can accept. (Guards on globals do not survive
     saving; the kernel backend and the tensor-parallel group, whose name a collective in a graph holds, are
     what the layers read from globals.)"""
     from torch._dynamo.package import SystemInfo
@@ -223,7 +223,10 @@ def saved_graphs_dir(module: torch.nn.Module, method: str) -> Path:
     tp = tensor_parallel.current()
     group = (tp.rank, tp.size, getattr(tp.group, "group_name", None))
     module_class = type(module).__qualname__
-    key = repr((SystemInfo.current(), source_digest(), module_class, method, kernels.backend(first), group))
+    # Inductor's CPU kernels are written for the intra-op thread count (serial code for one thread), and `serve`'s
+    # ranks run fewer threads than `bench`'s
+    threads = torch.get_num_threads()
+    key = repr((SystemInfo.current(), source_digest(), module_class, method, kernels.backend(first), group, threads))
     key += repr(parameters)
     return graph_cache_dir() / "graphs" / hashlib.sha256(key.encode()).hexdigest()[:32]
 

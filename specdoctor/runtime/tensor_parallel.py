@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -205,17 +204,17 @@ def refusal(config, size: int) -> str | None:
     return None
 
 
-def runtime_refusal(checkpoint, drafter, options) -> str | None:
+def runtime_refusal(checkpoint, drafter, options, local_ranks: int | None = None) -> str | None:
     """Why the runtime will not run this pair: at `options.tp` > 1 what vLLM or specdoctor will not shard, then
-    more ranks on this machine than CUDA devices (NCCL refuses two ranks on one GPU)."""
-    return sharding_refusal(checkpoint, drafter, options) or device_refusal(options)
+    more ranks on this machine than CUDA devices (NCCL refuses two ranks on one GPU). `local_ranks`: the ranks on
+    this machine (torchrun's LOCAL_WORLD_SIZE; None: all of them, as specdoctor's own launcher starts them)."""
+    return sharding_refusal(checkpoint, drafter, options) or device_refusal(options, local_ranks)
 
 
-def device_refusal(options) -> str | None:
+def device_refusal(options, local_ranks: int | None = None) -> str | None:
     if options.device.value != "cuda":
         return None
-    # torchrun says how many of the group's ranks run on this machine; specdoctor's own launcher runs them all
-    local_ranks, devices = int(os.environ.get("LOCAL_WORLD_SIZE", options.tp * options.pp)), torch.cuda.device_count()
+    local_ranks, devices = local_ranks or options.tp * options.pp, torch.cuda.device_count()
     if devices == 0:
         return "--device cuda: this machine has no CUDA device"
     if local_ranks > devices:

@@ -62,7 +62,8 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
     torch.manual_seed(comm.shared_seed())  # unseeded sampling draws alike on the TP ranks of the last stage
     if comm.device.type == "cuda":
         # SDPA's cuDNN backend (its pick for bf16 on Hopper) plans each new key length, and decoding grows it every
-        # step: 15 ms of host time per attention call on an H200. Flash and memory-efficient attention take any length.
+        # step: 15 ms of host time per attention call on an H200 (profiled). Flash and memory-efficient attention take
+        # any length.
         torch.backends.cuda.enable_cudnn_sdp(False)
     model, info = build_rank(options, rank)
     model.comm = comm
@@ -223,8 +224,8 @@ def no_shared_progress_lock() -> None:
 
 
 def rank_threads(ranks: int, host_cores: int) -> int:
-    """Each rank's intra-op threads: the machine's cores shared by its ranks, less `host_cores` left to the
-    controller's own work (`serve`'s HTTP front: vLLM's CPU backend keeps a core per rank for its scheduler)."""
+    """Each rank's intra-op threads: the machine's cores, less `host_cores` left to the controller's own work
+    (`serve`'s HTTP front; vLLM's CPU backend keeps one per worker for its scheduler), shared by the ranks."""
     return max(1, ((os.cpu_count() or 1) - host_cores) // ranks)
 
 
@@ -313,7 +314,8 @@ def run_under_torchrun(options: RuntimeOptions, request: GenerateRequest):
             f"{options.pp * options.tp}"
         )
     checkpoint = Checkpoint(options.model)  # no Engine checked first: what vLLM refuses, before joining the group
-    refused = tensor_parallel.runtime_refusal(checkpoint, open_drafter(checkpoint, options), options)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's: the ranks on this machine
+    refused = tensor_parallel.runtime_refusal(checkpoint, open_drafter(checkpoint, options), options, local_ranks)
     if refused:
         raise SpecdoctorError(refused)
     model, _ = load_rank(options, rank)

@@ -55,7 +55,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
-    from specdoctor.runtime.tensor_parallel import runtime_refusal
+    from specdoctor.runtime.tensor_parallel import sharding_refusal
     from specdoctor.workflow.alone import run_drafter_rank_alone
 
     runtime = options.runtime
@@ -65,7 +65,9 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     runtime = dataclasses.replace(runtime, num_speculative_tokens=k)
     options = dataclasses.replace(options, runtime=runtime)
     options.validate()
-    refused = runtime_refusal(checkpoint, drafter, runtime)  # before any rank starts, or the memory plan
+    # What the runtime will not shard, before any rank starts or the memory plan; too few GPUs is refused where
+    # ranks start (Engine): the pre-flight, and the drafter's rank alone, need no more than one
+    refused = sharding_refusal(checkpoint, drafter, runtime)
     if refused:
         raise SpecdoctorError(refused)
     ranks = placements(checkpoint.config, runtime.pp, runtime.pp_partition, has_drafter=drafter is not None)

@@ -42,7 +42,7 @@ class FakeEngine:
         self.scored: list[list[int]] = []
 
     def prompt_logits(self, prompts):
-        self.scored = prompts
+        self.scored += prompts
         logits = torch.zeros(len(prompts), max(map(len, prompts)), VOCAB)
         for n, prefix in enumerate(prompts):
             row = next(r for r, p in enumerate(PROMPTS) if prefix[: len(p)] == p)
@@ -70,7 +70,7 @@ def test_evidence_reads_the_target_logits_after_the_common_prefix():
     tiny = 2 * EPS32 * 4.0  # 2 units of float32 at the best logit 4.0
     engine = FakeEngine(speculative, {0: tiny, 2: 0.5})
     evidence = divergence_evidence(engine, PROMPTS, PLAIN, speculative)
-    assert engine.scored == [[1, 2, 3, 7, 8], [6, 7]]  # one prompt pass: the prompt and the tokens both emitted
+    assert engine.scored == [[1, 2, 3, 7, 8], [6, 7]]  # a prompt pass each: the prompt and the tokens both emitted
     where = [(d["prompt"], d["token"], d["target"], d["speculative"]) for d in evidence]
     assert where == [(0, 2, 9, 14), (2, 1, 7, None)]
     assert evidence[0]["gap"] == pytest.approx(tiny) and evidence[0]["within_rounding"]

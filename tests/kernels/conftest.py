@@ -22,8 +22,8 @@ def to_device(value, device: str):
 
 
 def on_device(kernel, device: str):
-    def run(*args):
-        return to_device(kernel(*to_device(args, device)), "cpu")
+    def run(*args, **options):
+        return to_device(kernel(*to_device(args, device), **options), "cpu")
 
     return run
 

@@ -23,7 +23,7 @@ from specdoctor.battery import battery_prompts
 from specdoctor.commands.serve import compile_step
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import compile_layers, warmup_prompts
+from specdoctor.runtime.compile import compile_layers, saved_graphs_dir, warmup_prompts
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
@@ -240,3 +240,17 @@ def test_a_graph_traced_with_one_tensor_under_two_names_refuses_a_module_where_t
     untied = TiedLayers(tied=False)
     untied.load_state_dict(tied.state_dict())  # the same values, in two tensors
     assert graph.guard_check(tied, x) and not graph.guard_check(untied, x)
+
+
+def test_saved_graphs_are_kept_apart_by_the_ranks_thread_count():
+    """Inductor writes a CPU kernel for the intra-op thread count (serial code for one thread), and `serve`'s ranks
+    run one thread fewer than `bench`'s: a graph saved at one count must not be loaded at another."""
+    module, threads = torch.nn.Linear(2, 2), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = saved_graphs_dir(module, "forward")
+        torch.set_num_threads(2)
+        assert saved_graphs_dir(module, "forward") != one
+        assert saved_graphs_dir(module, "forward") == saved_graphs_dir(module, "forward")
+    finally:
+        torch.set_num_threads(threads)

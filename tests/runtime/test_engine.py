@@ -235,7 +235,7 @@ def test_the_first_rank_beats_once_a_second_unless_streaming():
 def test_ranks_share_the_cores_less_those_left_to_the_controller():
     """Each rank's intra-op threads, as the ranks report them: the machine's cores over the ranks, less the cores
     the controller keeps (`serve` keeps one for its HTTP front, as vLLM's CPU workers keep one for its scheduler)."""
-    cores = os.cpu_count()
+    cores = os.cpu_count() or 1
     with Engine(RuntimeOptions("demo", pp=2)) as engine:
         assert [info["threads"] for info in engine.rank_info] == [max(1, cores // 2)] * 2
     with Engine(RuntimeOptions("demo"), host_cores=1) as engine:
