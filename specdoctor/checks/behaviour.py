@@ -104,6 +104,11 @@ def divergence_evidence(engine, prompts, plain, speculative) -> list[dict]:
     return evidence
 
 
+def rounding_ties_only(divergences) -> bool:
+    """Every difference has evidence (divergence_evidence's) that it begins within rounding: none is real."""
+    return bool(divergences) and all(d["within_rounding"] for d in divergences)
+
+
 def crashed_battery(error: str, stage: str) -> dict:
     """The behaviour stage of a drafter whose first draft step brought the pipeline down."""
     first_line = error.strip().splitlines()[0] if error.strip() else "unknown error"
@@ -127,9 +132,8 @@ def behaviour_findings(
     findings = []
     mean, rates = metrics["mean_acceptance_length"], metrics["per_position_acceptance_rate"]
     passed = sum(lossless)
-    ties = [d for d in divergences if d["within_rounding"]]
-    if passed < len(lossless) and len(ties) == len(lossless) - passed:
-        findings.append(rounding_finding(ties, len(lossless), stage))
+    if passed < len(lossless) and rounding_ties_only(divergences):
+        findings.append(rounding_finding(list(divergences), len(lossless), stage))
     elif passed < len(lossless):
         hint = "positions or KV caches drift between pipeline ranks, or the verifier compares NaN logits"
         if mean >= k + 1 - 1e-9:

@@ -126,9 +126,11 @@ def lossless_label(row: dict) -> str:
     """yes: the same tokens as plain decoding; ties: every difference begins where the target's two best tokens are
     within rounding (a verify pass and a one-token step round a near tie differently, as `check` reports it);
     NO: a difference beyond rounding."""
+    from specdoctor.checks.behaviour import rounding_ties_only
+
     if row["lossless"]:
         return "yes"
-    return "ties" if row["divergences"] and all(d["within_rounding"] for d in row["divergences"]) else "NO"
+    return "ties" if rounding_ties_only(row["divergences"]) else "NO"
 
 
 def bench_row(pp: int, k: int, run: Measurement, plain: Measurement, divergences: list[dict]) -> dict:
