@@ -1,14 +1,15 @@
 """The demo's MoE layer run each way the runtime could run it, compiled, side by side in one run: every expert
 over every token (the runtime's path past the gathered-expert limit), gathered experts (copies of the picked
 experts' weights, one batched matmul: the runtime's path up to the limit) and a grouped GEMM over the tokens
-sorted by expert (`torch._grouped_mm`, reading each expert's weights in place: the path the runtime does not
-take). Microseconds a call for each number of tokens a pass routes (a 16-row k 3 verify pass routes 64);
-with --eager, each path as `--no-compile` runs it.
+sorted by expert (`torch._grouped_mm`, reading each expert's weights in place: the runtime's path from the size
+a CPU rank measured it faster at, when it loads). Microseconds a call for each number of tokens a pass routes (a
+16-row k 3 verify pass routes 64); with --eager, each path as `--no-compile` runs it.
 
     python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--eager] [--json runs/moe_paths.json]
 
 `torch._grouped_mm` runs float32 on the CPU in eager mode, but its shape function refuses anything but
-bfloat16 under torch.compile, so here it is an opaque op of its own inside the compiled function.
+bfloat16 under torch.compile, so the runtime wraps it as an opaque op of its own (`specdoctor::grouped_mm`).
+Run with OMP_NUM_THREADS=1 for what one compute thread (a `serve` rank on two cores) sees.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import Progress
 
@@ -27,29 +27,6 @@ from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
-
-
-@torch.library.custom_op("specdoctor_benchmarks::grouped_mm", mutates_args=())
-def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(rows, weights, offs=offsets)
-
-
-@grouped_mm.register_fake
-def _(rows, weights, offsets):
-    return rows.new_empty(rows.shape[0], weights.shape[-1])
-
-
-def grouped_experts(layer: MoE, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
-    tokens, per_token = expert_ids.shape
-    ids = expert_ids.reshape(-1)
-    order = ids.argsort(stable=True)  # (token, slot) pairs by expert; offsets: where each expert's run ends
-    experts = torch.arange(len(layer.experts), device=ids.device)
-    offsets = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
-    gate_up, down = layer.expert_weights()
-    gate, up = grouped_mm(flat.index_select(0, order // per_token), gate_up.transpose(1, 2), offsets).chunk(2, -1)
-    routed = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offsets)
-    unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
-    return (unsorted.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
 
 
 def microseconds(function, args, calls: int) -> float:
@@ -74,7 +51,7 @@ def main() -> None:
     paths = {
         "every expert": compiled(layer.every_expert),
         "gathered": compiled(layer.gathered_experts),
-        "grouped GEMM": compiled(lambda *a: grouped_experts(layer, *a)),
+        "grouped GEMM": compiled(layer.grouped_experts),
     }
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:

@@ -30,7 +30,7 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank
 
 K = 3
 PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
@@ -101,7 +101,8 @@ def main() -> None:
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("warming up (compiling)", total=None)
         # as serve warms up at its default batch limit
-        for warmup in warmup_prompts(ServeOptions.max_num_seqs, info["gathered_token_limit"]):
+        limits = info["gathered_token_limit"], fewest_grouped_tokens([info])
+        for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):
             decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=K))
         for streams in args.streams:
             progress.update(task, description=f"{streams} streams")

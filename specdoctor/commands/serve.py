@@ -125,7 +125,7 @@ def compile_step(engine, max_num_seqs: int, console: Console) -> None:
     console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for prompts in warmup_prompts(max_num_seqs, engine.gathered_token_limit):
+        for prompts in warmup_prompts(max_num_seqs, engine.gathered_token_limit, engine.grouped_from):
             task = progress.add_task(f"batch {len(prompts)}, prompts of {len(prompts[0])} tokens", total=1)
             engine.generate(prompts, 4, num_speculative_tokens=k)
             progress.update(task, completed=1)

@@ -27,8 +27,10 @@ needs one whole graph) is compiled by plain torch.compile, which traces on every
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import os
 import uuid
 from pathlib import Path
@@ -61,6 +63,25 @@ def graph_cache_dir() -> Path:
     return base / "specdoctor" / "compile" / f"torch-{torch.__version__}"
 
 
+def measured_once(key: str, measure) -> int | None:
+    """`measure()`'s answer for `key`, kept in the compile cache: a choice timed on a noisy machine can come out
+    either way between starts, and the saved graphs check the choice their layers made, so a later start reads the
+    first one's instead of timing again (and of tracing again). Not kept where the cache cannot be written."""
+    path = graph_cache_dir() / "measured.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure()
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+            partial.write_text(json.dumps(known, indent=1))
+            partial.replace(path)  # whole or not at all: another rank may write it at the same time
+    return known[key]
+
+
 def warmup_batches(max_batch: int) -> list[int]:
     """The batch sizes whose passes meet every graph a batch of up to `max_batch` rows can need: 1 (sizes of 1 get
     graphs of their own), each power of two, and `max_batch`. Where a pass's MoE layers switch paths past L tokens
@@ -70,21 +91,29 @@ def warmup_batches(max_batch: int) -> list[int]:
     return sorted({*(1 << n for n in range(max_batch.bit_length())), max_batch})
 
 
-def warmup_prompts(max_batch: int, gathered_tokens: int) -> list[list[list[int]]]:
+def warmup_prompts(max_batch: int, gathered_tokens: int, grouped_from: int | None = None) -> list[list[list[int]]]:
     """The batches of prompts whose prompt passes and decode steps meet every graph a batch of up to `max_batch`
     rows can need, where MoE layers gather experts for passes of up to `gathered_tokens` tokens (the ranks'
-    `gathered_token_limit`): two-token prompts at each of `warmup_batches`, one-token prompts (sizes of 1 get graphs
-    of their own), then prompts of 16n + 1 tokens past the limit, each sent twice. The first time their prompt
-    pass takes every expert, which no decode pass of one row (k + 1 <= the limit) nor a two-token prompt pass of two
-    reaches; the second time, with prefix caching, it computes the one token past the cached blocks against a cache
-    of 16n + 1 positions (a one-token pass over a longer cache is another graph again). The one-token passes run at
-    batch 1, 2 (gathered experts up to the limit) and the first warm-up batch past the limit (every expert)."""
+    `gathered_token_limit`) and, measured on a CPU rank, run a grouped GEMM from `grouped_from` tokens on (None:
+    never): two-token prompts at each of `warmup_batches`, one-token prompts (sizes of 1 get graphs of their own),
+    then prompts of 16n + 1 tokens past the limit, each sent twice. The first time their prompt pass takes every
+    expert (or the grouped GEMM), which no decode pass of one row (k + 1 <= the limit) nor a two-token prompt pass
+    of two reaches; the second time, with prefix caching, it computes the one token past the cached blocks against
+    a cache of 16n + 1 positions (a one-token pass over a longer cache is another graph again). Where a grouped
+    GEMM runs, prompts just past the limit and just past `grouped_from` tokens a batch come too, so a batch's prompt
+    pass meets each side of both switches (a power of two would also equal a head size: a graph traced with two
+    sizes equal takes them as one). The one-token passes run at batch 1, 2 (gathered experts up to the
+    limit) and the first warm-up batch past the limit (every expert)."""
     sizes = warmup_batches(max_batch)
     one_token = sorted({*sizes[:2], *[batch for batch in sizes if batch > gathered_tokens][:1]})
     batches = [[[1, 2]] * batch for batch in sizes] + [[[1]] * batch for batch in one_token]
     length = BLOCK_SIZE * (gathered_tokens // BLOCK_SIZE + 1) + 1
     for batch in one_token:  # a token of its own per batch size: one size's blocks are no prefix of the other's
         batches += [[[batch] * length] * batch] * 2
+        if grouped_from is not None:
+            # a token no other warm-up prompt starts with: no cached block shortens their passes
+            switches = {gathered_tokens // batch + 1, grouped_from // batch + 1} - {length}
+            batches += [[[max_batch + batch] * tokens] * batch for tokens in sorted(switches)]
     return batches
 
 

@@ -38,7 +38,7 @@ from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import TapReading
 from specdoctor.runtime.tensor_parallel import runtime_refusal
-from specdoctor.runtime.worker import rank_main
+from specdoctor.runtime.worker import fewest_grouped_tokens, rank_main
 
 # What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).
 ERRORS = ("error", "peer_error")
@@ -129,6 +129,11 @@ class Engine:
     def gathered_token_limit(self) -> int:
         """The most tokens a pass of any rank's MoE layers gathers experts for (0: none do)."""
         return max(info["gathered_token_limit"] for info in self.rank_info)
+
+    @property
+    def grouped_from(self) -> int | None:
+        """The fewest tokens from which a rank's MoE layers run the grouped GEMM (None: none do)."""
+        return fewest_grouped_tokens(self.rank_info)
 
     def _wait_until_ready(self, show_progress: bool) -> None:
         with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:

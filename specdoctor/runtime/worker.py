@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import queue
 import signal
@@ -20,7 +21,7 @@ from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.comm import PipelineComm, PipelineError
-from specdoctor.runtime.compile import compile_layers
+from specdoctor.runtime.compile import compile_layers, measured_once
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
@@ -33,7 +34,7 @@ from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.heap import freeze_survivors, frozen_startup_heap
-from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.models.moe import MoE, measure_grouped_from
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import probe_taps
@@ -102,10 +103,11 @@ def build_rank(
     if placement.has_drafter:
         drafter, provenance = kind.build(stage, options, device)
     modules = (stage, drafter) if drafter is not None else (stage,)
+    moe_layers = [layer for module in modules for layer in module.modules() if isinstance(layer, MoE)]
+    grouped_from = choose_moe_paths(moe_layers, device)
     if options.compile:
         for module in modules:
             compile_layers(module)
-    moe_layers = [layer for module in modules for layer in module.modules() if isinstance(layer, MoE)]
     info = {
         "rank": stage_rank,
         "tp_rank": tp_rank,
@@ -118,6 +120,7 @@ def build_rank(
         "drafter_provenance": dict(provenance.sources),
         # where the MoE layers switch paths: serve's compile warm-up crosses it (runtime/compile.py)
         "gathered_token_limit": max((layer.gathered_token_limit() for layer in moe_layers), default=0),
+        "grouped_from": grouped_from,
     }
     rollback = options.state_rollback == StateRollback.EXACT
     faults = Faults.parse(options.fault).gated(kind.dummy_drafts_past(options) if kind else None)
@@ -129,6 +132,30 @@ def build_rank(
     if options.enable_prefix_caching and not hybrid:  # recurrent states are not kept per block
         model.prefix_store = PrefixStore()
     return model, info
+
+
+def choose_moe_paths(layers: list[MoE], device: torch.device) -> dict[str, int | None]:
+    """On the CPU, from how many tokens each MoE layer runs its experts as a grouped GEMM, timed once per expert
+    shape on this rank's threads (runtime/models/moe.py) and kept in the compile cache for later starts;
+    {expert shape: tokens, or None for never}."""
+    measured: dict[str, int | None] = {}
+    if device.type != "cpu":  # torch's grouped GEMM on CUDA takes bfloat16 on recent GPUs only: not timed there
+        return measured
+    for layer in layers:
+        if layer.packed:
+            continue
+        shape = "x".join(map(str, layer.gate_up.shape)) + f" {layer.gate_up.dtype}"
+        if shape not in measured:
+            key = f"grouped GEMM from, {torch.get_num_threads()} thread(s), experts {shape}"
+            measured[shape] = measured_once(key, functools.partial(measure_grouped_from, layer))
+        layer.grouped_from = measured[shape]
+    return measured
+
+
+def fewest_grouped_tokens(rank_info: list[dict]) -> int | None:
+    """The fewest tokens from which any of these ranks' MoE layers run the grouped GEMM (None: none do)."""
+    measured = [tokens for info in rank_info for tokens in info["grouped_from"].values() if tokens]
+    return min(measured, default=None)
 
 
 class StepReporter:

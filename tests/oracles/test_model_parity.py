@@ -38,13 +38,14 @@ def test_checkpoint_has_index_and_several_shards(hf_checkpoint):
     assert len({t.shard for t in checkpoint.tensors.values()}) >= 3
 
 
-@pytest.mark.parametrize("expert_path", ["gathered", "every", "looped"])
+@pytest.mark.parametrize("expert_path", ["gathered", "every", "grouped", "looped"])
 def test_logits_match_transformers_at_every_position(hf_checkpoint, monkeypatch, expert_path):
     """Each way of running the routed experts: one batched matmul over gathered weights, every expert over
-    every token, or a loop over the experts hit."""
+    every token, a grouped GEMM over the tokens sorted by expert, or a loop over the experts hit."""
     layers = "specdoctor.runtime.models.moe"
     monkeypatch.setattr(f"{layers}.GATHER_LIMIT_BYTES", 1 << 40 if expert_path == "gathered" else 0)
     monkeypatch.setattr(f"{layers}.EVERY_EXPERT_LIMIT_BYTES", 1 << 40 if expert_path == "every" else 0)
+    monkeypatch.setattr(f"{layers}.MoE.grouped_from", 1 if expert_path == "grouped" else None)
     assert logits_error(*hf_checkpoint, batch=4, length=23, seed=1) < 1e-4
 
 

@@ -23,12 +23,12 @@ from specdoctor.battery import battery_prompts
 from specdoctor.commands.serve import compile_step
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import compile_layers, saved_graphs_dir, warmup_prompts
+from specdoctor.runtime.compile import compile_layers, measured_once, saved_graphs_dir, warmup_prompts
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank
 
 
 def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:
@@ -115,7 +115,8 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
 
 @pytest.mark.slow  # about 5 minutes: the demo's graphs for batches 1 to 8 and its prompt passes
 @pytest.mark.timeout(1500)
-def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup_compiled(cache_dir):
+@pytest.mark.parametrize("grouped_from", [16, 64])  # as measured on one compute thread, and on two
+def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup_compiled(cache_dir, grouped_from):
     """`serve` (prefix caching on) warms up the prompts `warmup_prompts` gives for its batch limit; then no request
     waits for a compile, whatever its prompt's length and cached blocks. The demo's MoE layers gather experts for
     passes of up to 4 tokens: a 3-row draft chain takes both paths (a first pass of 12 tokens, later ones of 3), a
@@ -123,12 +124,18 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     gathered ones in its decode steps. A one-token prompt is a size of 1; so is the one token left to compute of a
     prompt of 16n + 1 tokens whose blocks an earlier request left in the prefix cache, over a longer cache; six of
     either joining at once take every expert (before the warm-up ran them past the limit, such a burst waited
-    14 to 39 s for a compile)."""
+    14 to 39 s for a compile). Past G tokens (kept as if measured) a pass runs the grouped GEMM: at G = 64 the
+    3-row prompt pass takes it and its draft chain's later passes gather (before the warm-up sent prompts past G of
+    a token of their own, the cached blocks of its earlier prompts kept it short of G, and that pass waited for a
+    compile)."""
+    key = f"grouped GEMM from, {torch.get_num_threads()} thread(s), experts 8x256x192 torch.float32"
+    measured_once(key, lambda: grouped_from)
     options = RuntimeOptions("demo", num_speculative_tokens=3, enable_prefix_caching=True)
     model, info = load_rank(replace(options, compile=True), 0)
     limit = info["gathered_token_limit"]
     assert 3 <= limit < 6, limit
-    for warmup in warmup_prompts(8, limit):
+    assert fewest_grouped_tokens([info]) == grouped_from
+    for warmup in warmup_prompts(8, limit, grouped_from):
         decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=3))
     graphs = counters["stats"]["unique_graphs"]
     battery = prompts(9)
@@ -147,23 +154,20 @@ def test_serve_warms_up_prompts_past_the_gathered_expert_limit_the_ranks_report(
     """`serve`'s warm-up plan at PP 2 (run eager here: the plan is the same): the ranks report where their MoE layers
     stop gathering experts (the demo's: 8 experts, top 2, so 4 tokens), and after two-token prompts at batch 1, 2 and
     4 come one-token prompts, then prompts of 17 tokens (past the limit, all but one token in a block) twice each, at
-    batch 1 and 2."""
+    batch 1 and 2; where the ranks measured the grouped GEMM faster from G tokens, a prompt just past the limit and
+    one just past G tokens a batch follow at each."""
     output = io.StringIO()
     with Engine(RuntimeOptions("demo", pp=2, num_speculative_tokens=3, timeout=60)) as engine:
         assert [info["gathered_token_limit"] for info in engine.rank_info] == [4, 4]
         compile_step(engine, 4, Console(file=output, width=120))
+        grouped = engine.grouped_from
     shown = re.findall(r"batch (\d+), prompts of (\d+) tokens", output.getvalue())
-    assert [tuple(map(int, task)) for task in shown] == [
-        (1, 2),
-        (2, 2),
-        (4, 2),
-        (1, 1),
-        (2, 1),
-        (1, 17),
-        (1, 17),
-        (2, 17),
-        (2, 17),
-    ]
+    expected = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1)]
+    for batch in (1, 2):
+        expected += [(batch, 17), (batch, 17)]
+        if grouped:  # past 4 tokens, and past G tokens, a batch
+            expected += [(batch, tokens) for tokens in sorted({4 // batch + 1, grouped // batch + 1} - {17})]
+    assert [tuple(map(int, task)) for task in shown] == expected
 
 
 class BreaksTheGraph(torch.nn.Module):

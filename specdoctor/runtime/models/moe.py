@@ -1,7 +1,10 @@
 """Mixture-of-experts layers: the router (softmax or sigmoid with a correction bias, grouped top-k) and the
-experts, run gathered, every expert at once, or one expert at a time (by size)."""
+experts, run gathered, every expert at once, as a grouped GEMM over the tokens sorted by expert, or one expert
+at a time (by size, and on the CPU by what this rank's threads measured faster)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +53,26 @@ GATHER_LIMIT_BYTES = 16 << 20
 
 EVERY_EXPERT_LIMIT_BYTES = 16 << 20
 
+# Pass sizes (tokens) at which a CPU rank times the grouped GEMM against every expert when it loads: powers of two
+# from past the gathered limit, so serve's warm-up (powers of two) meets each side of the one it picks.
+GROUPED_CANDIDATES = (16, 32, 64, 128, 256, 512)
+
+
+@torch.library.custom_op("specdoctor::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm as an opaque op: its shape function refuses float32 under torch.compile, which the CPU
+    kernel runs."""
+    return torch._grouped_mm(rows, weights, offs=offsets)
+
+
+@grouped_mm.register_fake
+def _(rows, weights, offsets):
+    return rows.new_empty(rows.shape[0], weights.shape[-1])
+
 
 class MoE(FusedWeights):
     router: type[nn.Module] = Router  # (config) -> module returning (weights [N, k], expert ids [N, k])
+    grouped_from: int | None = None  # passes of this many tokens or more run the grouped GEMM (set where measured)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -103,6 +123,8 @@ class MoE(FusedWeights):
         weights, expert_ids = self.gate(flat)
         if not self.packed and flat.shape[0] <= self.gathered_token_limit():
             out = self.gathered_experts(flat, weights, expert_ids)
+        elif self.grouped_from is not None and flat.shape[0] >= self.grouped_from:
+            out = self.grouped_experts(flat, weights, expert_ids)
         elif self.every_expert_fits():
             out = self.every_expert(flat, weights, expert_ids)
         else:
@@ -136,6 +158,20 @@ class MoE(FusedWeights):
         routed = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [E, N, H]
         return (routed * picked.T[:, :, None]).sum(0)
 
+    def grouped_experts(self, flat, weights, expert_ids) -> torch.Tensor:  # [N, H], [N, k], [N, k] -> [N, H]
+        """Each picked expert over its own tokens only (a quarter of every expert's multiply-adds at top 2 of 8),
+        one small GEMM per expert, reading its weights in place."""
+        tokens, per_token = expert_ids.shape
+        ids = expert_ids.reshape(-1)
+        order = ids.argsort(stable=True)  # (token, slot) pairs by expert; offsets: where each expert's run ends
+        experts = torch.arange(len(self.experts), device=ids.device)
+        offsets = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
+        gate_up, down = self.expert_weights()
+        gate, up = grouped_mm(flat.index_select(0, order // per_token), gate_up.transpose(1, 2), offsets).chunk(2, -1)
+        routed = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offsets)
+        unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
+        return (unsorted.view(tokens, per_token, -1) * weights[..., None].to(flat.dtype)).sum(1)
+
     def looped_experts(self, flat, weights, expert_ids) -> torch.Tensor:
         out = torch.zeros_like(flat)
         for expert in expert_ids.unique().tolist():
@@ -143,3 +179,32 @@ class MoE(FusedWeights):
             routed = self.experts[expert](flat[token]) * weights[token, slot, None].to(flat.dtype)
             out.index_add_(0, token, routed)
         return out
+
+
+def measure_grouped_from(layer: MoE, rounds: int = 3) -> int | None:
+    """The fewest tokens (of GROUPED_CANDIDATES) from which the grouped GEMM ran faster than every expert at each
+    candidate size, timed on this layer with this rank's threads (the best of `rounds`); None where it never did,
+    or where this layer does not run every expert (packed experts, or too many to run at once). On one thread the
+    grouped GEMM wins from about 16 tokens, on two from about 64 (docs/performance.md, MoE paths)."""
+    if not layer.every_expert_fits():
+        return None
+    hidden = layer.gate.weight.shape[1]
+    dtype, device = layer.gate_up.dtype, layer.gate_up.device
+    faster = []
+    with torch.no_grad():
+        for tokens in GROUPED_CANDIDATES:
+            flat = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
+            routing = (flat, *layer.gate(flat))
+            paths = {"every": layer.every_expert, "grouped": layer.grouped_experts}
+            seconds = dict.fromkeys(paths, float("inf"))
+            for _ in range(rounds):
+                for name, path in paths.items():
+                    start = time.perf_counter()
+                    try:
+                        path(*routing)
+                    except RuntimeError:  # torch's grouped GEMM refuses some layouts (rows not of 16-byte steps)
+                        return None
+                    seconds[name] = min(seconds[name], time.perf_counter() - start)
+            faster.append(seconds["grouped"] < seconds["every"])
+    winning = [tokens for index, tokens in enumerate(GROUPED_CANDIDATES) if all(faster[index:])]
+    return winning[0] if winning else None
