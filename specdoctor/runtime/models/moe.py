@@ -184,8 +184,9 @@ class MoE(FusedWeights):
 def measure_grouped_from(layer: MoE, rounds: int = 3) -> int | None:
     """The fewest tokens (of GROUPED_CANDIDATES) from which the grouped GEMM ran faster than every expert at each
     candidate size, timed on this layer with this rank's threads (the best of `rounds`); None where it never did,
-    or where this layer does not run every expert (packed experts, or too many to run at once). On one thread the
-    grouped GEMM wins from about 16 tokens, on two from about 64 (docs/performance.md, MoE paths)."""
+    or where this layer does not run every expert (packed experts, or too many to run at once). On a 2-core CI
+    machine it won from 16 tokens on one thread, from 32 or 64 on two (docs/performance.md: the grouped GEMM on one
+    compute thread)."""
     if not layer.every_expert_fits():
         return None
     hidden = layer.gate.weight.shape[1]
