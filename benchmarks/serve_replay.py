@@ -1,12 +1,15 @@
 """Where a serving load's time goes, in one process: `serve`'s continuous batching loop (`RunningBatch`) on the
-demo, compiled and warmed up as `serve` warms up, with `serve`'s prefix caching, and c streams each sending the
-battery prompts back to back (a request joins as soon as one finishes; each makes --max-tokens tokens, no stop
-tokens, as with `ignore_eos`). No HTTP, tokenizer or rank processes: the time split between admitting requests
-(their prompt passes, joined into the running batch), dropping finished rows and decode steps, tokens/s over the
-three, and what one join and one step cost: the joiners, their prompt tokens computed (past the blocks prefix
-caching restored) and the milliseconds, against a step's rows and milliseconds.
+demo, compiled and warmed up as `serve` warms up, on the threads `serve` gives its rank, with `serve`'s prefix
+caching, and c streams each sending the battery prompts back to back (a request joins as soon as one finishes;
+each makes --max-tokens tokens, no stop tokens, as with `ignore_eos`). No HTTP, tokenizer or rank processes: the
+time split between admitting requests (their prompt passes, joined into the running batch), dropping finished rows
+and decode steps, tokens/s over the three, and what one join and one step cost: the joiners, their prompt tokens
+computed (past the blocks prefix caching restored) and the milliseconds, against a step's rows and milliseconds.
+With several --num-speculative-tokens, each k runs the same loads in turn (k 0: plain decoding, the drafter
+loaded but not run).
 
-    python -m benchmarks.serve_replay [--streams 1 16] [--requests 96] [--max-tokens 64] [--json runs/serve_replay.json]
+    python -m benchmarks.serve_replay [--streams 1 16] [--num-speculative-tokens 3] [--requests 96] [--max-tokens 64]
+        [--json runs/serve_replay.json]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from rich.progress import Progress
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.serve import ServeOptions, serve
+from specdoctor.commands.serve import HOST_CORES, ServeOptions, serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.compile import warmup_prompts
@@ -30,15 +33,14 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank
+from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank, rank_threads
 
-K = 3
 PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
 
 
 @torch.no_grad()
-def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tokens: int) -> dict:
-    running = RunningBatch(model, K, sampled_drafts=False)
+def replay(model, k: int, prompts: list[list[int]], streams: int, requests: int, max_tokens: int) -> dict:
+    running = RunningBatch(model, k, sampled_drafts=False)
     seconds = {"admit": 0.0, "drop": 0.0, "step": 0.0}
     sent = finished = tokens = steps = joins_run = joiners = prompt_tokens = rows = 0
     prompt_of: dict[str, list[int]] = {}
@@ -83,33 +85,49 @@ def replay(model, prompts: list[list[int]], streams: int, requests: int, max_tok
         "rows_per_step": rows / steps,
         "ms_per_step": 1000 * seconds["step"] / steps,
     }
-    return {"streams": streams, "tokens": tokens, "steps": steps, "tokens_per_s": tokens / wall, **seconds, **per_join}
+    return {
+        "k": k,
+        "streams": streams,
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_per_s": tokens / wall,
+        **seconds,
+        **per_join,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=Path("runs/serve_replay.json"))
     args = parser.parse_args()
     checkpoint = Checkpoint("demo")
     prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0]
-    options = RuntimeOptions("demo", num_speculative_tokens=K, compile=True, enable_prefix_caching=PREFIX_CACHING)
+    torch.set_num_threads(rank_threads(1, HOST_CORES))  # as `serve` sets its one rank's
+    speculative = max(args.num_speculative_tokens)  # the drafter loaded where any k runs it
+    options = RuntimeOptions(
+        "demo", num_speculative_tokens=speculative, compile=True, enable_prefix_caching=PREFIX_CACHING
+    )
     model, info = load_rank(options, 0)
     rows = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("warming up (compiling)", total=None)
         # as serve warms up at its default batch limit
         limits = info["gathered_token_limit"], fewest_grouped_tokens([info])
-        for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):
-            decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=K))
-        for streams in args.streams:
-            progress.update(task, description=f"{streams} streams")
-            rows.append(replay(model, prompts, streams, args.requests, args.max_tokens))
+        for k in args.num_speculative_tokens:
+            progress.update(task, description=f"k {k}: warming up (compiling)")
+            for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):
+                decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=k))
+            for streams in args.streams:
+                progress.update(task, description=f"k {k}, {streams} streams")
+                rows.append(replay(model, k, prompts, streams, args.requests, args.max_tokens))
     table = numeric_table(
-        f"serving loop, in one process (demo, compiled, k {K}, {args.requests} requests x {args.max_tokens} tokens)",
+        f"serving loop, in one process (demo, compiled, {args.requests} requests x {args.max_tokens} tokens)",
         (
+            "k",
             "streams",
             "tok/s",
             "steps",
@@ -127,6 +145,7 @@ def main() -> None:
     for row in rows:
         wall = row["admit"] + row["drop"] + row["step"]
         table.add_row(
+            str(row["k"]),
             str(row["streams"]),
             f"{row['tokens_per_s']:.0f}",
             str(row["steps"]),
@@ -146,7 +165,7 @@ def main() -> None:
     console.print("per join: joiners, prompt tokens computed (past the blocks prefix caching restored), ms; per step:")
     console.print(f"rows and ms. Prefix caching: {'on' if PREFIX_CACHING else 'off'}, as `serve`'s default")
     console.print(f"machine: {machine()}")
-    write_json(args.json, {"k": K, "max_tokens": args.max_tokens, "prefix_caching": PREFIX_CACHING, "rows": rows})
+    write_json(args.json, {"max_tokens": args.max_tokens, "prefix_caching": PREFIX_CACHING, "rows": rows})
 
 
 if __name__ == "__main__":

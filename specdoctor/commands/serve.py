@@ -56,6 +56,9 @@ def serve(
 
 
 TAP_PROBE = list(range(1, 17))  # token ids for the startup tap probe (every vocabulary has them)
+# One core stays with this process (HTTP, text, scheduling), as vLLM's CPU backend keeps cores for its scheduler
+# (one per worker): a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
+HOST_CORES = 1
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -87,9 +90,7 @@ def run_serve(options: ServeOptions) -> None:
     check_port_free(options.host, options.port)
     name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
     console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
-    # One core stays with this process (HTTP, text, scheduling), as vLLM's CPU backend keeps cores for its scheduler
-    # (one per worker): a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
-    engine = Engine(runtime, checkpoint, show_progress=True, host_cores=1)
+    engine = Engine(runtime, checkpoint, show_progress=True, host_cores=HOST_CORES)
     runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
     try:
         errors = startup_check(engine, not options.allow_unhealthy, TAP_PROBE, console)

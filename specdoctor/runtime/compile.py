@@ -112,7 +112,7 @@ def warmup_prompts(max_batch: int, gathered_tokens: int, grouped_from: int | Non
         batches += [[[batch] * length] * batch] * 2
         if grouped_from is not None:
             # a token no other warm-up prompt starts with: no cached block shortens their passes
-            switches = {gathered_tokens // batch + 1, grouped_from // batch + 1} - {length}
+            switches = {gathered_tokens // batch + 1, grouped_from // batch + 1} - {length, 1}  # 1: run above
             batches += [[[max_batch + batch] * tokens] * batch for tokens in sorted(switches)]
     return batches
 

@@ -146,10 +146,14 @@ def choose_moe_paths(layers: list[MoE], device: torch.device) -> dict[str, int |
             continue
         shape = "x".join(map(str, layer.gate_up.shape)) + f" {layer.gate_up.dtype}"
         if shape not in measured:
-            key = f"grouped GEMM from, {torch.get_num_threads()} thread(s), experts {shape}"
-            measured[shape] = measured_once(key, functools.partial(measure_grouped_from, layer))
+            measured[shape] = measured_once(grouped_from_key(shape), functools.partial(measure_grouped_from, layer))
         layer.grouped_from = measured[shape]
     return measured
+
+
+def grouped_from_key(shape: str) -> str:
+    """Where the compile cache keeps the measured crossover of experts of `shape` on this rank's threads."""
+    return f"grouped GEMM from, {torch.get_num_threads()} thread(s), experts {shape}"
 
 
 def fewest_grouped_tokens(rank_info: list[dict]) -> int | None:

@@ -28,7 +28,7 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank
+from specdoctor.runtime.worker import fewest_grouped_tokens, grouped_from_key, load_rank
 
 
 def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:
@@ -128,8 +128,7 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     3-row prompt pass takes it and its draft chain's later passes gather (before the warm-up sent prompts past G of
     a token of their own, the cached blocks of its earlier prompts kept it short of G, and that pass waited for a
     compile)."""
-    key = f"grouped GEMM from, {torch.get_num_threads()} thread(s), experts 8x256x192 torch.float32"
-    measured_once(key, lambda: grouped_from)
+    measured_once(grouped_from_key("8x256x192 torch.float32"), lambda: grouped_from)
     options = RuntimeOptions("demo", num_speculative_tokens=3, enable_prefix_caching=True)
     model, info = load_rank(replace(options, compile=True), 0)
     limit = info["gathered_token_limit"]

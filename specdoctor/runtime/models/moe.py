@@ -54,7 +54,7 @@ GATHER_LIMIT_BYTES = 16 << 20
 EVERY_EXPERT_LIMIT_BYTES = 16 << 20
 
 # Pass sizes (tokens) at which a CPU rank times the grouped GEMM against every expert when it loads: powers of two
-# from past the gathered limit, so serve's warm-up (powers of two) meets each side of the one it picks.
+# from 16. A pass within the gathered limit gathers whatever the crossover is (16 is past the demo's limit of 4).
 GROUPED_CANDIDATES = (16, 32, 64, 128, 256, 512)
 
 
