@@ -2,14 +2,16 @@
 
     python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--json runs/serve_load.json]
 
-The demo model, fp32, PP 1, greedy, MTP with k 3 on every server. For each number of concurrent streams c,
-c clients each send the 9 battery prompts `--rounds` times, back to back, streamed (`ignore_eos`, so every
-request makes `--max-tokens` tokens). Reported per server and c: completion tokens/s over the wall time,
-time to first token (TTFT) and time per output token after the first (TPOT = (last chunk - first chunk) /
-(tokens - 1) per request), p50 and p99, and the CPU seconds each side spent per 1,000 tokens: the server's
-front process (HTTP, text, scheduling), its engine processes (`serve`'s ranks, vLLM's engine core) and this
-client. vLLM runs twice: with its CPU defaults (compute bound to one core, the other reserved) and with both
-cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`).
+The demo model, fp32, PP 1, greedy, MTP with k 3 on every server (`serve` with its adaptive speculation, and once
+speculating every step). For each number of concurrent streams c, c clients each send the 9 battery prompts
+`--rounds` times, back to back, streamed (`ignore_eos`, so every request makes `--max-tokens` tokens). Reported per
+server and c: completion tokens/s over the wall time, time to first token (TTFT) and time per output token after the
+first (TPOT = (last chunk - first chunk) / (tokens - 1) per request), p50 and p99, and the CPU seconds each side
+spent per 1,000 tokens: the server's front process (HTTP, text, scheduling), its engine processes (`serve`'s ranks,
+vLLM's engine core) and this client. vLLM runs three times: with its CPU defaults (compute bound to one core, the
+other reserved), with both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), and with both
+cores and its dynamic speculation set to k 0 past 4 rows (`num_speculative_tokens_per_batch_size`; at k 0 it still
+runs the drafter's first pass to keep its cache).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from tests.peer.vllm_server import VllmServer
 
 K = 3
 BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+SERVE_DEFAULTS = ("--num-speculative-tokens", str(K), "--adaptive-speculation")
+PLAIN_PAST_4_ROWS = [(1, 4, K), (5, 1024, 0)]  # vLLM's dynamic speculation: k by the batch's rows
 CPU_COLUMNS = {  # column: row key
     "front CPU s/1k tok": "front_cpu_s_per_1k_tokens",
     "engine CPU s/1k tok": "engine_cpu_s_per_1k_tokens",
@@ -133,16 +137,28 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def servers() -> list[tuple[str, Callable]]:
-    """(name, start) of each server compared: `serve` compiled and eager, vLLM with its CPU defaults and both cores."""
+    """(name, start) of each server compared: `serve` compiled and eager, and compiled speculating every step; vLLM
+    with its CPU defaults, both cores, and both cores with k 0 past 4 rows."""
     return [
-        # The default, compiled (the test helper's default is eager: named here); minutes from a cold cache.
+        # The defaults, compiled and adaptive (the test helper's are eager and always speculating: named here);
+        # minutes from a cold cache.
         (
             "specdoctor serve",
-            lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--compile", start_timeout_s=900),
+            lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--compile", start_timeout_s=900),
         ),
-        ("specdoctor serve --no-compile", lambda: SpecdoctorServer("--num-speculative-tokens", str(K), "--no-compile")),
+        ("specdoctor serve --no-compile", lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--no-compile")),
+        (
+            "specdoctor serve --always-speculate",
+            lambda: SpecdoctorServer(
+                "--num-speculative-tokens", str(K), "--compile", "--always-speculate", start_timeout_s=900
+            ),
+        ),
         ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
         ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
+        (
+            "vLLM (both cores, k 0 past 4 rows)",
+            lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES, schedule=PLAIN_PAST_4_ROWS),
+        ),
     ]
 
 

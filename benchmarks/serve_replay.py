@@ -6,7 +6,7 @@ time split between admitting requests (their prompt passes, joined into the runn
 and decode steps, tokens/s over the three, and what one join and one step cost: the joiners, their prompt tokens
 computed (past the blocks prefix caching restored) and the milliseconds, against a step's rows and milliseconds.
 With several --num-speculative-tokens, each k runs the same loads in turn (k 0: plain decoding, the drafter
-loaded but not run).
+loaded but not run); each k > 0 with adaptive speculation (`serve`'s default) and with every step speculating.
 
     python -m benchmarks.serve_replay [--streams 1 16] [--num-speculative-tokens 3] [--requests 96] [--max-tokens 64]
         [--json runs/serve_replay.json]
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import time
 from pathlib import Path
 
@@ -39,8 +40,10 @@ PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].de
 
 
 @torch.no_grad()
-def replay(model, k: int, prompts: list[list[int]], streams: int, requests: int, max_tokens: int) -> dict:
-    running = RunningBatch(model, k, sampled_drafts=False)
+def replay(
+    model, k: int, adaptive: bool, prompts: list[list[int]], streams: int, requests: int, max_tokens: int
+) -> dict:
+    running = RunningBatch(model, k, sampled_drafts=False, adaptive=adaptive)
     seconds = {"admit": 0.0, "drop": 0.0, "step": 0.0}
     sent = finished = tokens = steps = joins_run = joiners = prompt_tokens = rows = 0
     prompt_of: dict[str, list[int]] = {}
@@ -87,6 +90,7 @@ def replay(model, k: int, prompts: list[list[int]], streams: int, requests: int,
     }
     return {
         "k": k,
+        "adaptive": adaptive,
         "streams": streams,
         "tokens": tokens,
         "steps": steps,
@@ -119,11 +123,12 @@ def main() -> None:
         limits = info["gathered_token_limit"], fewest_grouped_tokens([info])
         for k in args.num_speculative_tokens:
             progress.update(task, description=f"k {k}: warming up (compiling)")
-            for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):
-                decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=k))
-            for streams in args.streams:
-                progress.update(task, description=f"k {k}, {streams} streams")
-                rows.append(replay(model, k, prompts, streams, args.requests, args.max_tokens))
+            for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):  # every kind of step, as serve's
+                request = GenerateRequest(warmup, 2 * k + 4, num_speculative_tokens=k, every_step_kind=k > 0)
+                decode_batch(model, request)
+            for adaptive, streams in itertools.product([True, False] if k else [False], args.streams):
+                progress.update(task, description=f"k {k}{' adaptive' if adaptive else ''}, {streams} streams")
+                rows.append(replay(model, k, adaptive, prompts, streams, args.requests, args.max_tokens))
     table = numeric_table(
         f"serving loop, in one process (demo, compiled, {args.requests} requests x {args.max_tokens} tokens)",
         (
@@ -145,7 +150,7 @@ def main() -> None:
     for row in rows:
         wall = row["admit"] + row["drop"] + row["step"]
         table.add_row(
-            str(row["k"]),
+            f"{row['k']}{' adaptive' if row['adaptive'] else ''}",
             str(row["streams"]),
             f"{row['tokens_per_s']:.0f}",
             str(row["steps"]),

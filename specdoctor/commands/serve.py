@@ -40,7 +40,7 @@ class ServeOptions:
 
 
 # k: MTP 3, DSpark its block size; compiled, as vLLM serves by default (docs/performance.md: start-up times)
-@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True, compile=True)
+@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True, compile=True, adaptive_speculation=True)
 def serve(
     runtime: RuntimeOptions,
     host: HostOption = "127.0.0.1",
@@ -126,7 +126,9 @@ def compile_step(engine, max_num_seqs: int, console: Console) -> None:
     console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
+        # with adaptive speculation, every kind of step: four steps emit at most 2k + 4 tokens (GenerateRequest)
+        cycled = engine.options.adaptive_speculation and k > 0
         for prompts in warmup_prompts(max_num_seqs, engine.gathered_token_limit, engine.grouped_from):
             task = progress.add_task(f"batch {len(prompts)}, prompts of {len(prompts[0])} tokens", total=1)
-            engine.generate(prompts, 4, num_speculative_tokens=k)
+            engine.generate(prompts, 2 * k + 4 if cycled else 4, num_speculative_tokens=k, every_step_kind=cycled)
             progress.update(task, completed=1)

@@ -124,6 +124,8 @@ def compile_layers(module: torch.nn.Module) -> None:
     module.run_layers = LayerGraphs(module)
     if hasattr(module, "greedy_chain"):
         module.greedy_chain = LayerGraphs(module, "greedy_chain")
+    if hasattr(module, "fill_layers"):
+        module.fill_layers = LayerGraphs(module, "fill_layers")
 
 
 class LayerGraphs:

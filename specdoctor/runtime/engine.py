@@ -151,8 +151,10 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         num_speculative_tokens: int | None = None,
         on_tokens=None,
+        every_step_kind: bool = False,
     ) -> GenerateResult:
-        """Generate for a batch; `on_tokens(tokens per prompt so far)` is called after every step."""
+        """Generate for a batch; `on_tokens(tokens per prompt so far)` is called after every step. `every_step_kind`:
+        serve's warm-up (GenerateRequest)."""
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
@@ -164,6 +166,7 @@ class Engine:
             self.eos_token_ids,
             stream=on_tokens is not None,
             draft_sample_method=self.options.draft_sample_method,
+            every_step_kind=every_step_kind,
         )
         validate_request(request, self.config, self.speculates)
         self._inbox.put(("generate", request))
@@ -177,7 +180,8 @@ class Engine:
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         validate_speculative_tokens(k, self.speculates)
         self.continuous_k = k
-        self._inbox.put(("continuous", (k, self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC)))
+        sampled_drafts = self.options.draft_sample_method == DraftSampleMethod.PROBABILISTIC
+        self._inbox.put(("continuous", (k, sampled_drafts, self.options.adaptive_speculation)))
 
     def join(self, request_id: str, sequence: SequenceRequest) -> None:
         """Queue a request to join the running batch before the next step (checked here, not on the ranks)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from specdoctor.errors import SpecdoctorError
+from specdoctor.runtime.decode.adaptive import FEWEST_PLAIN_ROWS
 from specdoctor.runtime.faults import Faults
 
 
@@ -204,6 +205,13 @@ class RuntimeOptions:
         "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Keep prompts' K/V in blocks for later prompts that start alike (serve: on, as in vLLM; not for "
         "hybrid models).",
+    )
+    adaptive_speculation: bool = option(
+        False,
+        "--adaptive-speculation/--always-speculate",
+        help=f"serve: from {FEWEST_PLAIN_ROWS} rows, decode plainly where plain steps have yielded more tokens a "
+        "second than speculative ones while serving, the drafter's cache kept whole (serve: on); else every step "
+        "speculates.",
     )
     fault: str | None = option(
         None,

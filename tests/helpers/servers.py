@@ -26,6 +26,8 @@ class SpecdoctorServer:
         self.url = f"http://127.0.0.1:{self.port}"
         if not {"--compile", "--no-compile", "--enforce-eager"} & set(args):
             args = ("--no-compile", *args)  # eager unless asked: a cold compile takes minutes on 2 cores
+        if not {"--adaptive-speculation", "--always-speculate"} & set(args):
+            args = ("--always-speculate", *args)  # unless asked: counters that follow each request, not the load
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}

@@ -24,7 +24,8 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts
-    (`drafter`: the speculative config's method and model of a drafter checkpoint instead). `eager`: without
+    (`drafter`: the speculative config's method and model of a drafter checkpoint instead; `schedule`: k by the
+    batch's rows, vLLM's dynamic speculation). `eager`: without
     vLLM's torch.compile step (a minute of start-up on 2 cores; the oracle tests' tokens and counters are the
     same either way, checked); the speed benchmarks keep vLLM's defaults."""
 
@@ -37,6 +38,7 @@ class VllmServer:
         eager: bool = False,
         drafter: dict | None = None,
         tp: int = 1,
+        schedule: list[tuple[int, int, int]] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,6 +50,8 @@ class VllmServer:
         command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
         if k:
             speculative = {"method": "mtp", **(drafter or {}), "num_speculative_tokens": k}
+            if schedule:  # dynamic speculation: (first rows, last rows, k) ranges
+                speculative["num_speculative_tokens_per_batch_size"] = schedule
             command += ["--speculative-config", json.dumps(speculative)]
         if eager:
             command += ["--enforce-eager"]

@@ -134,14 +134,15 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     limit = info["gathered_token_limit"]
     assert 3 <= limit < 6, limit
     assert fewest_grouped_tokens([info]) == grouped_from
-    for warmup in warmup_prompts(8, limit, grouped_from):
-        decode_batch(model, GenerateRequest(warmup, 4, num_speculative_tokens=3))
+    for warmup in warmup_prompts(8, limit, grouped_from):  # as serve's, adaptive: every kind of step
+        decode_batch(model, GenerateRequest(warmup, 10, num_speculative_tokens=3, every_step_kind=True))
     graphs = counters["stats"]["unique_graphs"]
     battery = prompts(9)
     batches = [battery[:rows] for rows in (1, 3, 6)] + [[battery[8]], [battery[0][:1]]]
     batches += [[battery[4][:1]] * 6]  # six one-token prompts at once
     batches += [[battery[1][:33]], [battery[2][:17], battery[3][:17]], [battery[5][:17]] * 6]  # all but one cached
     requests = [GenerateRequest(batch, 8, num_speculative_tokens=3) for batch in batches]
+    requests += [GenerateRequest(batch, 10, num_speculative_tokens=3, every_step_kind=True) for batch in batches]
     compiled = [decode_batch(model, request) for request in requests]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
     assert [run.cached_tokens for run in compiled[-3:]] == [[32], [16, 16], [16] * 6]

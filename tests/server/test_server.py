@@ -28,7 +28,7 @@ PROMPTS = ["def read_config(path):\n", "class Parser:\n    def __init__(self", "
 
 @pytest.fixture(scope="module")
 def server():
-    server = Server("--pp", "2", "--num-speculative-tokens", "3")
+    server = Server("--pp", "2", "--num-speculative-tokens", "3", "--adaptive-speculation")  # serve's default
     yield server
     server.stop()
     assert server.process.returncode is not None

@@ -28,7 +28,7 @@ from specdoctor.runtime.decode.requests import (
     validate_request,
 )
 from specdoctor.runtime.decode.sampling import RowSampler
-from specdoctor.runtime.decode.speculative import Drafts, commit, finish_device_work, speculative_step
+from specdoctor.runtime.decode.speculative import DUMMY_DRAFT, Drafts, commit, finish_device_work, speculative_step
 from specdoctor.runtime.options import DraftSampleMethod
 
 
@@ -65,10 +65,16 @@ class BatchState:
         self.decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=model.device)
         self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
         self.active = [True] * batch
+        self.speculating = False  # every row's pending decision holds drafts: the next step verifies them
+        self.stepped_speculatively = False
+        self.stand_in_drafts = [False] * batch  # rows whose drafts the next step verifies are DUMMY_DRAFT (regroup)
 
     def commit(self, count_metrics: bool) -> None:
         before = [len(tokens) for tokens in self.result.tokens]
-        self.active = commit(self.result, self.decision, self.k, self.sequences, count_metrics, self.active)
+        counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
+        self.active = commit(self.result, self.decision, self.k, self.sequences, counted, self.active)
+        self.stand_in_drafts = [False] * len(self.sequences)
+        self.speculating = self.k > 0 and bool((self.decision[:, self.k + 2 :] != PLACEHOLDER).all())
         for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order
             self.result.logprobs[row] += entries[: len(self.result.tokens[row]) - before[row]]
         self.pending_logprobs = {}
@@ -119,20 +125,51 @@ class BatchState:
         """The caches prefix caching keeps blocks of: this rank's, and the drafter's on its rank."""
         return {"target": self.cache, **({"drafter": self.drafts.cache} if self.drafts else {})}
 
-    def step(self) -> None:
-        """Verify the pending token and the drafts in one pipeline pass; every rank commits the decision."""
+    def step(self, propose_next: bool = True) -> None:
+        """Verify the pending token and the drafts in one pipeline pass (the pending token alone where the last
+        step proposed none); every rank commits the decision. `propose_next`, read on the last rank: whether this
+        step proposes drafts for the next one, or only keeps the drafter's cache whole (the next step is plain)."""
         model, k, decision = self.model, self.k, self.decision
-        pending_and_drafts = torch.cat([decision.gather(1, 1 + decision[:, :1]), decision[:, k + 2 :]], dim=1)
-        positions = self.filled[:, None] + torch.arange(k + 1, device=model.device)  # [B, k+1]
+        speculate = self.speculating
+        tokens = decision.gather(1, 1 + decision[:, :1])
+        if speculate:
+            tokens = torch.cat([tokens, decision[:, k + 2 :]], dim=1)
+        positions = self.filled[:, None] + torch.arange(tokens.shape[1], device=model.device)  # [B, T]
         self.cache.begin(valid_end=None, keep_positions=True)  # the accepted count is known only after
-        hidden, taps = pipeline_pass(model, pending_and_drafts, positions, self.cache)
+        hidden, taps = pipeline_pass(model, tokens, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
-            features = model.drafter_features(pending_and_drafts, final, taps)  # what the drafter reads
-            self.decision = speculative_step(logits, features, positions, self.drafts, self.sampler)
+            features = model.drafter_features(tokens, final, taps)  # what the drafter reads
+            if speculate:
+                self.decision = speculative_step(logits, features, positions, self.drafts, self.sampler, propose_next)
+            else:
+                self.decision = self.plain_decision(logits, features, positions, propose_next)
             self.note_logprobs(logits)
         model.comm.broadcast_from_last(self.decision)
+        self.stepped_speculatively = speculate
         finish_device_work(model.device)
+
+    def plain_decision(self, logits, features, positions, propose: bool) -> torch.Tensor:
+        """A plain step's decision: none accepted, the next token, and the drafts from it (or none)."""
+        first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
+        decision = torch.full_like(self.decision, PLACEHOLDER)
+        decision[:, :2] = first
+        if self.drafts:
+            base = torch.zeros_like(first[:, 0])  # the one position
+            if propose:
+                self.drafts.propose(first[:, 1:], features, positions, base)
+                decision[:, self.k + 2 :] = self.drafts.tokens
+            else:
+                self.drafts.fill(first[:, 1:], features, positions, base)
+        return decision
+
+    def stand_in_plain_rows(self) -> None:
+        """A seeded row joined rows decoding plainly: the next step speculates anyway, as the row does alone, and
+        the plain rows verify DUMMY_DRAFT (what their drafter left: Drafts.fill), left out of the metrics."""
+        k, drafts = self.k, self.decision[:, self.k + 2 :]
+        plain = (drafts == PLACEHOLDER).all(dim=1)
+        self.decision[:, k + 2 :] = torch.where(plain[:, None], DUMMY_DRAFT, drafts)
+        self.stand_in_drafts, self.speculating = plain.tolist(), True
 
     def advance(self) -> None:
         # Finished rows stay in the batch but stop advancing, so they never outgrow the KV cache.
@@ -162,6 +199,11 @@ class BatchState:
             return [values[r] for r in keep]
 
         joined.active = kept([a for b in batches for a in b.active])
+        joined.speculating = all(b.speculating for b in batches)
+        joined.stepped_speculatively = False
+        joined.stand_in_drafts = [False] * len(joined.sequences)
+        if not joined.speculating and joined.k and any(sequence.sampling.seeded for sequence in joined.sequences):
+            joined.stand_in_plain_rows()
         joined.result = GenerateResult(
             kept([t for b in batches for t in b.result.tokens]),
             kept([f for b in batches for f in b.result.finish_reasons]),
@@ -190,7 +232,8 @@ def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> Ge
     transfer_before, draft_before = model.comm.seconds, state.drafts.seconds if state.drafts else 0.0
     while any(state.active):
         step_start = time.perf_counter()
-        state.step()
+        # serve's warm-up: steps 0-3 speculate and propose, speculate and fill, fill plainly, propose plainly
+        state.step(not request.every_step_kind or times["steps"] % 4 in (0, 3))
         computed = time.perf_counter()
         state.commit(count_metrics=True)
         state.advance()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdoctor.runtime.decode.adaptive import SpeculationPolicy
 from specdoctor.runtime.decode.batch import BatchState
 from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
@@ -39,8 +40,10 @@ JOIN, CANCEL, SHUTDOWN = "join", "cancel", "shutdown"
 
 
 class RunningBatch:
-    def __init__(self, model: RankModel, k: int, sampled_drafts: bool):
+    def __init__(self, model: RankModel, k: int, sampled_drafts: bool, adaptive: bool = False):
         self.model, self.k, self.sampled_drafts = model, k, sampled_drafts
+        # adaptive: a step speculates only where speculative steps yielded more (runtime/decode/adaptive.py)
+        self.policy = SpeculationPolicy() if adaptive and k else None
         self.batch: BatchState | None = None
         self.ids: list[str] = []
         self.reported: list[int] = []  # tokens of each row already reported
@@ -58,12 +61,33 @@ class RunningBatch:
             self.ids += [request_id for request_id, _ in joins]
             self.reported += [0] * len(joins)
 
-    def step(self) -> None:
-        if self.batch is not None:
-            self.batch.step()
-            self.batch.commit(count_metrics=True)
-            self.batch.advance()
-            self.batch.result.proposals.clear()  # only `check` reads them; a server would hoard them
+    def speculates_next(self, joining: list[SequenceRequest] = ()) -> bool:
+        """Whether the coming step proposes drafts for the one after, with `joining` about to join: always without a
+        policy, and while a row samples with a seed (a plain step would draw from its generator in another order
+        than it does alone); else as the policy says for the rows there will be. Asked once a step."""
+        rows = len(self.ids) + len(joining)
+        sequences = [*(self.batch.sequences if self.batch else []), *joining]
+        if self.policy is None or not rows or any(sequence.sampling.seeded for sequence in sequences):
+            return True
+        return self.policy.speculate(rows)
+
+    def step(self, propose_next: bool | None = None) -> None:
+        """One decode step; `propose_next` as the first rank's `speculates_next` said (None: ask it here)."""
+        if self.batch is None:
+            return
+        if propose_next is None:
+            propose_next = self.speculates_next()
+        batch, rows, started = self.batch, len(self.ids), time.perf_counter()
+        before = sum(len(tokens) for tokens in batch.result.tokens)
+        batch.step(propose_next)
+        batch.commit(count_metrics=True)
+        batch.advance()
+        batch.result.proposals.clear()  # only `check` reads them; a server would hoard them
+        # A step that switches kinds (it speculated and only filled, or it proposed after a plain step) is left out:
+        # the one run slower, the other faster, than the kind runs while it stays.
+        if self.policy and batch.stepped_speculatively == propose_next:
+            emitted = sum(len(tokens) for tokens in batch.result.tokens) - before
+            self.policy.observe(propose_next, rows, emitted, time.perf_counter() - started)
 
     def updates(self) -> dict[str, RowUpdate]:
         """Each row's news since the last call; finished rows leave the batch."""
@@ -94,20 +118,25 @@ def run_continuous(
     model: RankModel,
     k: int,
     sampled_drafts: bool,
+    adaptive: bool,
     poll: Callable[[bool], list[tuple[str, object]]] | None,
     report: Callable[[dict[str, RowUpdate]], None] | None,
 ) -> None:
     """Serve until the controller says shutdown. Only the first rank has `poll(idle)` (the queued control
     messages; it waits for one when idle); only the reporting rank has `report` (every step's news, and
     an empty beat at least once a second so the controller can tell a quiet pipeline from a dead one)."""
-    running, last_report = RunningBatch(model, k, sampled_drafts), time.monotonic()
+    running, last_report = RunningBatch(model, k, sampled_drafts, adaptive), time.monotonic()
     while True:
-        messages = model.comm.broadcast_command(poll(running.batch is None) if poll else None)
+        command = None
+        if poll:  # the first rank's policy chooses for every rank: each rank times only its own share of a step
+            messages = poll(running.batch is None)
+            command = messages, running.speculates_next([p[1] for kind, p in messages if kind == JOIN])
+        messages, propose_next = model.comm.broadcast_command(command)
         if any(kind == SHUTDOWN for kind, _ in messages):
             return
         running.apply(messages)
         news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
-        running.step()
+        running.step(propose_next)
         news.update(merge_updates(news, running.updates()))
         if report and (news or time.monotonic() - last_report >= 1.0):
             report(news)

@@ -34,6 +34,9 @@ class GenerateRequest:
     eos_token_ids: tuple[int, ...] = ()
     stream: bool = False  # report the tokens so far after every step (costs a message per step)
     draft_sample_method: DraftSampleMethod = DraftSampleMethod.GREEDY  # when sampling: how drafts are picked
+    # serve's warm-up with adaptive speculation: the steps cycle through every kind a served batch runs (speculative or
+    # plain, each proposing drafts or only filling the drafter's cache), so each meets its graphs before any request
+    every_step_kind: bool = False
 
     def limits(self) -> list[int]:
         if isinstance(self.max_new_tokens, int):

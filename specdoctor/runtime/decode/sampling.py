@@ -28,6 +28,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def seeded(self) -> bool:
+        """Sampling with a seed: the same tokens whatever batch the request shares (adaptive speculation keeps it)."""
+        return not self.greedy and self.seed is not None
+
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Softmax after temperature, top-k and top-p, over the last dimension ([..., V] -> [..., V])."""

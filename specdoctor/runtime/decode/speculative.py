@@ -17,7 +17,7 @@ import torch
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import take_rows
 from specdoctor.runtime.compile import LayerGraphs
-from specdoctor.runtime.decode.rejection import verify_greedy, verify_random
+from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
 from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
 from specdoctor.runtime.faults import Faults
 
@@ -76,6 +76,18 @@ class Drafts:
             self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
         self.seconds += time.perf_counter() - start
+
+    def fill(self, next_tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, base: torch.Tensor):
+        """No drafts (the next step decodes plainly), but the drafter's cache kept as `propose` keeps it: only the
+        entries at these positions where the drafter can store them alone, else its whole proposal, dropped."""
+        if not getattr(self.drafter, "fills_cache_only", False):
+            self.propose(next_tokens, features, positions, base)
+        else:
+            start = time.perf_counter()
+            self.drafter.fill(next_tokens, features, positions, self.cache)
+            finish_device_work(next_tokens.device)
+            self.seconds += time.perf_counter() - start
+        self._dummy(next_tokens.shape[0], next_tokens.device)  # what a row verifies if made to speculate next
 
     def past_dummy_limit(self, positions: torch.Tensor, base: torch.Tensor) -> bool:
         """vLLM's length gate (--fault drafter-max-position, a draft model's dummy policy): the batch's longest
@@ -159,6 +171,7 @@ def speculative_step(
     positions: torch.Tensor,  # [B, k+1]
     drafts: Drafts | None,  # None for plain decoding (k = 0)
     sampler: RowSampler,
+    propose: bool = True,  # False: the next step decodes plainly; the drafter only keeps its cache
 ) -> torch.Tensor:
     """The last rank's step. Returns the decision every rank commits, [B, 2k+2]: accepted count n,
     the emitted tokens (n accepted drafts, then one recovered or bonus token; padded), the next k drafts."""
@@ -171,20 +184,25 @@ def speculative_step(
     if drafts:
         new_token = emitted.gather(1, accepted[:, None])  # [B, 1]
         next_tokens = torch.cat([draft_tokens, new_token], dim=1).scatter(1, accepted[:, None], new_token)
-        drafts.propose(next_tokens, features, positions, base=accepted)
-    return torch.cat([accepted[:, None], emitted, drafts.tokens if drafts else draft_tokens], dim=1)
+        if propose:
+            drafts.propose(next_tokens, features, positions, base=accepted)
+        else:
+            drafts.fill(next_tokens, features, positions, base=accepted)
+    proposed = drafts.tokens if drafts and propose else torch.full_like(draft_tokens, PLACEHOLDER)  # none: plain next
+    return torch.cat([accepted[:, None], emitted, proposed], dim=1)
 
 
-def commit(result, decision: torch.Tensor, k: int, sequences, count_metrics: bool, active=None):
+def commit(result, decision: torch.Tensor, k: int, sequences, counted: list[bool], active=None):
     """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
-    returns which rows go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)]."""
+    returns which rows go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)].
+    `counted`: the rows whose drafts the metrics count."""
     active = active or [True] * len(result.tokens)
     still = []
     for row, (n, *rest) in enumerate(decision.tolist()):
         if not active[row]:
             still.append(False)
             continue
-        if count_metrics and k:
+        if counted[row] and k:
             result.metrics.record(n, k)
             result.row_metrics[row].record(n, k)
         sequence = sequences[row]

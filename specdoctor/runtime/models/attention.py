@@ -73,6 +73,15 @@ class Attention(FusedWeights):
         )
         return row_parallel(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
 
+    def fill_cache(self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache) -> None:
+        """Only what the cache keeps of a pass over `x` [B, T, H]: the new positions' keys and values."""
+        batch, length, _ = x.shape
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            k = self.k_norm(k)
+        cache.update(self.layer_id, positions, apply_rotary(k, *rotary), v)
+
 
 def attention_span(cache: KVCache | None, layer_id: int, positions: torch.Tensor, *entries: torch.Tensor):
     """(the entries over every position the queries see, each [B, S, ...], and the causal mask [B, 1, T, S]):

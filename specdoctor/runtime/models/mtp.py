@@ -71,6 +71,23 @@ class MtpDrafter(nn.Module):
             drafts.append(logits[:, 0].argmax(-1))
         return torch.stack(drafts, dim=1)
 
+    @property
+    def fills_cache_only(self) -> bool:
+        """Whether its MTP layer can store a pass's cache entries without the rest of the pass."""
+        return hasattr(self.layers[str(self.config.mtp_layer_ids[0])].mixer, "fill_cache")
+
+    def fill(self, next_tokens, hidden, positions, cache: KVCache) -> None:
+        """The cache entries a chain's first pass over these positions stores, and nothing else: a plain step's."""
+        cache.plan(positions)
+        rotary = rotary_cos_sin(self.config, positions, hidden.dtype)
+        self.fill_layers(self.embed_tokens(next_tokens), hidden, positions, rotary, cache)
+
+    def fill_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache) -> torch.Tensor:
+        layer = self.layers[str(self.config.mtp_layer_ids[0])]
+        x = layer.input_layernorm(layer.mtp_input(embeds, prev_hidden, positions))
+        layer.mixer.fill_cache(x, positions, rotary, cache)
+        return x  # a graph returns a tensor
+
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T] the token after each position (the target's, or the previous proposal)

@@ -174,6 +174,12 @@ class GatedAttention(nn.Module):
         ).transpose(1, 2)
         return row_parallel(self.o_proj, (out * gate.sigmoid()).reshape(batch, length, -1))
 
+    def fill_cache(self, x: torch.Tensor, positions: torch.Tensor, rotary, cache: KVCache) -> None:
+        """Only what the cache keeps of a pass over `x`: the new positions' keys and values."""
+        batch, length, _ = x.shape
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)), *rotary)
+        cache.update(self.layer_id, positions, k, self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim))
+
 
 class SoftmaxRouter(nn.Module):
     """Softmax over the experts, top-k, optionally renormalised."""

@@ -39,8 +39,11 @@ def run_joining(engine: Engine) -> dict[str, list[int]]:
 
 
 @pytest.mark.timeout(240)
-def test_requests_joining_a_running_batch_equal_their_solo_runs():
-    with Engine(RuntimeOptions("demo-hybrid", pp=2, num_speculative_tokens=3)) as engine:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_requests_joining_a_running_batch_equal_their_solo_runs(adaptive):
+    """Also with adaptive speculation (serve's default), its steps switching between speculative and plain."""
+    options = RuntimeOptions("demo-hybrid", pp=2, num_speculative_tokens=3, adaptive_speculation=adaptive)
+    with Engine(options) as engine:
         solo = [
             engine.generate([prompt], limit, sampling).tokens[0]
             for prompt, limit, sampling in zip(PROMPTS, LIMITS, SAMPLINGS, strict=True)
