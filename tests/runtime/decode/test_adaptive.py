@@ -35,10 +35,11 @@ def model(request):
     return load_rank(RuntimeOptions(request.param, num_speculative_tokens=K), 0)[0]
 
 
-def decode(model, k: int, propose_next) -> tuple[BatchState, int]:
-    """PROMPTS to LIMITS, step s proposing drafts for the next as `propose_next(s)` says; with the drafts the
-    speculative steps proposed (k a row still running)."""
-    state = BatchState(model, [SequenceRequest(p, n) for p, n in zip(PROMPTS, LIMITS, strict=True)], k)
+def decode(model, k: int, propose_next, sequences: list[SequenceRequest] | None = None) -> tuple[BatchState, int]:
+    """`sequences` (PROMPTS to LIMITS) to their ends, step s proposing drafts for the next as `propose_next(s)`
+    says; with the drafts the speculative steps proposed (k a row still running)."""
+    sequences = sequences or [SequenceRequest(p, n) for p, n in zip(PROMPTS, LIMITS, strict=True)]
+    state = BatchState(model, sequences, k)
     state.prefill()
     step = drafted = 0
     with torch.no_grad():
@@ -78,10 +79,13 @@ def test_a_plain_step_keeps_the_drafters_cache_as_a_speculative_step_does(model)
                 torch.testing.assert_close(entry[row, :filled], expected[row, :filled], atol=1e-4, rtol=1e-4)
 
 
+EIGHT = [SequenceRequest(PROMPTS[n % 4] + [n], 40) for n in range(FEWEST_PLAIN_ROWS)]  # greedy, 40 tokens each
+
+
 def eight_rows(model) -> RunningBatch:
-    """The serving loop with eight greedy requests (FEWEST_PLAIN_ROWS) of 40 tokens running."""
+    """The serving loop with EIGHT running (FEWEST_PLAIN_ROWS rows)."""
     running = RunningBatch(model, K, sampled_drafts=False, adaptive=True)
-    running.apply([(JOIN, (str(n), SequenceRequest(PROMPTS[n % 4] + [n], 40))) for n in range(FEWEST_PLAIN_ROWS)])
+    running.apply([(JOIN, (str(n), sequence)) for n, sequence in enumerate(EIGHT)])
     return running
 
 
@@ -94,14 +98,8 @@ def test_the_serving_loop_measures_both_kinds_of_step_and_stays_lossless(model):
         running.step()
         for request_id, update in running.updates().items():
             tokens[request_id] += update.new_tokens
-    state = BatchState(model, [SequenceRequest(PROMPTS[n % 4] + [n], 40) for n in range(FEWEST_PLAIN_ROWS)], 0)
-    state.prefill()
-    with torch.no_grad():
-        while any(state.active):
-            state.step()
-            state.commit(count_metrics=False)
-            state.advance()
-    assert [tokens[str(n)] for n in range(FEWEST_PLAIN_ROWS)] == state.result.tokens
+    plain, _ = decode(model, 0, lambda step: True, EIGHT)
+    assert [tokens[str(n)] for n in range(FEWEST_PLAIN_ROWS)] == plain.result.tokens
     assert running.policy.measured[True, rows_range(FEWEST_PLAIN_ROWS)] >= MEASURED_STEPS
     assert running.policy.measured[False, rows_range(FEWEST_PLAIN_ROWS)] >= MEASURED_STEPS
 
@@ -111,13 +109,7 @@ def test_a_seeded_request_joining_plain_steps_samples_as_it_does_alone(model):
     policy measuring plain steps), and every step after speculates, the plain rows verifying stand-in drafts that
     the metrics leave out."""
     seeded = SequenceRequest(PROMPTS[2], 20, SamplingParams(temperature=1.0, seed=5))
-    alone = BatchState(model, [seeded], K)
-    alone.prefill()
-    with torch.no_grad():
-        while any(alone.active):
-            alone.step()
-            alone.commit(count_metrics=True)
-            alone.advance()
+    alone, _ = decode(model, K, lambda step: True, [seeded])
     running = eight_rows(model)
     running.updates()
     while running.policy.measured[False, rows_range(FEWEST_PLAIN_ROWS)] < 2:  # two plain steps measured, two to come
