@@ -25,7 +25,7 @@ def test_a_rank_keeps_what_start_up_and_each_command_kept_out_of_full_collection
     commands = iter(
         [
             ("generate", GenerateRequest([PROMPT], 4, num_speculative_tokens=3, stream=True)),  # a reply every step
-            ("continuous", (3, False)),
+            ("continuous", (3, False, False)),  # k, sampled drafts, adaptive speculation
             ("shutdown", None),
         ]
     )
