@@ -1,17 +1,24 @@
-"""Serving under load: `specdoctor serve` against vLLM 0.32's CPU server, the same load, one server at a time.
+"""Serving under load: `specdoctor serve` against vLLM 0.32's CPU server, the same load, side by side.
 
-    python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--json runs/serve_load.json]
+    python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--repeats 3]
+        [--json runs/serve_load.json]
 
 The demo model, fp32, PP 1, greedy, MTP with k 3 on every server (`serve` with its adaptive speculation, and once
-speculating every step). For each number of concurrent streams c, c clients each send the 9 battery prompts
-`--rounds` times, back to back, streamed (`ignore_eos`, so every request makes `--max-tokens` tokens). Reported per
-server and c: completion tokens/s over the wall time, time to first token (TTFT) and time per output token after the
-first (TPOT = (last chunk - first chunk) / (tokens - 1) per request), p50 and p99, and the CPU seconds each side
-spent per 1,000 tokens: the server's front process (HTTP, text, scheduling), its engine processes (`serve`'s ranks,
-vLLM's engine core) and this client. vLLM runs three times: with its CPU defaults (compute bound to one core, the
-other reserved), with both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), and with both
-cores and its dynamic speculation set to k 0 past 4 rows (`num_speculative_tokens_per_batch_size`; at k 0 it still
-runs the drafter's first pass to keep its cache).
+speculating every step). Every server is started first (an idle one takes no measurable CPU; start the compiled ones
+from a filled compile cache, docs/performance.md: every server up, the loads interleaved); then each load runs on
+each server in turn, `--repeats` times, so that every server's runs of a load lie within a minute of each other and
+this machine's slow and fast spells fall on all of them (the server order turns by one each repeat). For each number
+of concurrent streams c, c clients each send the 9 battery prompts `--rounds` times, back to back, streamed
+(`ignore_eos`, so every request makes `--max-tokens` tokens). Reported per server and c, the median over the
+repeats: completion tokens/s over the wall time (and its range), time to first token (TTFT) and time per output
+token after the first (TPOT = (last chunk - first chunk) / (tokens - 1) per request), p50 and p99, and the CPU
+seconds each side spent per 1,000 tokens: the server's front process (HTTP, text, scheduling), its engine processes
+(`serve`'s ranks, vLLM's engine core) and this client. `serve` against vLLM's better configuration: the ratio of the
+medians, and its range over the repeats (each repeat's `serve` run against its best vLLM run). vLLM runs three ways:
+with its CPU defaults (compute bound to one core, the other reserved), with both cores
+(`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), and with both cores and its dynamic speculation
+set to k 0 past 4 rows (`num_speculative_tokens_per_batch_size`; at k 0 it still runs the drafter's first pass to
+keep its cache).
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -32,6 +41,7 @@ from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from tests.helpers.servers import SpecdoctorServer
+from tests.helpers.tool_env import PeerUnavailable
 from tests.peer.vllm_server import VllmServer
 
 K = 3
@@ -142,10 +152,7 @@ def servers() -> list[tuple[str, Callable]]:
     return [
         # The defaults, compiled and adaptive (the test helper's are eager and always speculating: named here);
         # minutes from a cold cache.
-        (
-            "specdoctor serve",
-            lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--compile", start_timeout_s=900),
-        ),
+        ("specdoctor serve", lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--compile", start_timeout_s=900)),
         ("specdoctor serve --no-compile", lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--no-compile")),
         (
             "specdoctor serve --always-speculate",
@@ -175,39 +182,108 @@ def on_each_server(run: Callable[[str, int], list[dict]]) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def all_servers() -> Iterator[list[tuple[str, object]]]:
+    """Every one of `servers()` started, (name, server) in order; all stopped on leaving."""
+    started = []
+    try:
+        for name, start in servers():
+            try:
+                server = start()
+            except PeerUnavailable as failed:  # vLLM's CPU worker now and then dies compiling at start-up
+                print(f"{name}: {failed}; starting it again", file=sys.stderr)
+                server = start()
+            started.append((name, server))
+        yield started
+    finally:
+        for _, server in started:
+            server.stop()
+
+
+def interleaved(servers: list[tuple[str, object]], args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """Every load on every server, `args.repeats` times: a load runs on each server in turn, the order turned by one
+    each repeat. One row per run, with its server's name and its repeat."""
+    rows = []
+    for repeat in range(args.repeats):
+        turned = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
+        for streams in args.streams:
+            for name, server in turned:
+                row = asyncio.run(drive(server.url, prompts, streams, args.max_tokens, args.rounds, server.process.pid))
+                rows.append({"server": name, "repeat": repeat, **row})
+    return rows
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per server and streams (in the servers' order), the median of each figure over the repeats, and the range of
+    tokens/s."""
+    summary = []
+    for name, _ in servers():
+        for streams in sorted({row["streams"] for row in rows}):
+            runs = [row for row in rows if row["server"] == name and row["streams"] == streams]
+            figures = [key for key, value in runs[0].items() if isinstance(value, float)]
+            summary.append(
+                {
+                    "server": name,
+                    "streams": streams,
+                    **{key: statistics.median(run[key] for run in runs) for key in figures},
+                    "tokens_per_s_range": (min(map(rate, runs)), max(map(rate, runs))),
+                }
+            )
+    return summary
+
+
+def against_vllm(rows: list[dict], summary: list[dict], streams: int, ours: str) -> tuple[str, float, float, float]:
+    """(best vLLM server by median, ratio of the medians, lowest and highest ratio of one repeat's runs)."""
+    best = max((r for r in summary if r["server"].startswith("vLLM") and r["streams"] == streams), key=rate)
+    mine = next(r for r in summary if r["server"] == ours and r["streams"] == streams)
+    per_repeat = []
+    for repeat in sorted({row["repeat"] for row in rows}):
+        runs = [row for row in rows if row["repeat"] == repeat and row["streams"] == streams]
+        vllm = max(rate(row) for row in runs if row["server"].startswith("vLLM"))
+        per_repeat.append(next(rate(row) for row in runs if row["server"] == ours) / vllm)
+    return best["server"], rate(mine) / rate(best), min(per_repeat), max(per_repeat)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each load on each server, interleaved")
     parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    rows = on_each_server(
-        lambda url, pid: [asyncio.run(drive(url, prompts, c, args.max_tokens, args.rounds, pid)) for c in args.streams]
-    )
+    with all_servers() as started:
+        rows = interleaved(started, args, prompts)
+    summary = medians(rows)
     table = numeric_table(
-        f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}",
-        ("server", "streams", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", *CPU_COLUMNS),
+        f"Serving load: demo, fp32, PP 1, k {K}, {args.max_tokens} tokens, battery x {args.rounds}, "
+        f"median of {args.repeats} interleaved repeats",
+        ("server", "streams", "tok/s", "tok/s range", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms")
+        + tuple(CPU_COLUMNS),
     )
-    for row in rows:
+    for row in summary:
+        low, high = row["tokens_per_s_range"]
         table.add_row(
             row["server"],
             str(row["streams"]),
-            f"{row['tokens_per_s']:.1f}",
+            f"{rate(row):.1f}",
+            f"{low:.1f}–{high:.1f}",
             *(f"{row[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")),
             *(f"{row[key]:.3f}" for key in CPU_COLUMNS.values()),
         )
-    console = Console(width=200)
+    console = Console(width=220)
     console.print(table)
     for streams in args.streams:
-        best = max((r for r in rows if r["server"].startswith("vLLM") and r["streams"] == streams), key=rate)
-        for ours in (r for r in rows if r["server"].startswith("specdoctor") and r["streams"] == streams):
-            console.print(
-                f"{streams} streams: {ours['server']} / best vLLM ({best['server']}) = {rate(ours) / rate(best):.2f}x"
-            )
+        for ours, _ in servers():
+            if ours.startswith("specdoctor"):
+                best, ratio, low, high = against_vllm(rows, summary, streams, ours)
+                console.print(
+                    f"{streams} streams: {ours} / best vLLM ({best}) = {ratio:.2f}x (one repeat: {low:.2f}–{high:.2f}x)"
+                )
     console.print(f"machine: {machine()}")
-    write_json(args.json, {"settings": {**vars(args), "json": str(args.json)}, "machine": machine(), "rows": rows})
+    settings = {**vars(args), "json": str(args.json)}
+    write_json(args.json, {"settings": settings, "machine": machine(), "runs": rows, "summary": summary})
 
 
 def rate(row: dict) -> float:
