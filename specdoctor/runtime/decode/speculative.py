@@ -192,13 +192,13 @@ def speculative_step(
     return torch.cat([accepted[:, None], emitted, proposed], dim=1)
 
 
-def commit(result, decision: torch.Tensor, k: int, sequences, counted: list[bool], active=None):
+def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None):
     """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
-    returns which rows go on. decision rows: [accepted n, emitted tokens (k+1, padded), next drafts (k)].
-    `counted`: the rows whose drafts the metrics count."""
+    returns which rows go on. decision: the step's, read to the host; its rows: [accepted n, emitted tokens (k+1,
+    padded), next drafts (k)]. `counted`: the rows whose drafts the metrics count."""
     active = active or [True] * len(result.tokens)
     still = []
-    for row, (n, *rest) in enumerate(decision.tolist()):
+    for row, (n, *rest) in enumerate(decision):
         if not active[row]:
             still.append(False)
             continue

@@ -72,9 +72,14 @@ class MtpDrafter(nn.Module):
         return torch.stack(drafts, dim=1)
 
     @property
+    def first_layer(self) -> nn.Module:
+        """The MTP layer every chain step runs (see `forward`)."""
+        return self.layers[str(self.config.mtp_layer_ids[0])]
+
+    @property
     def fills_cache_only(self) -> bool:
         """Whether its MTP layer can store a pass's cache entries without the rest of the pass."""
-        return hasattr(self.layers[str(self.config.mtp_layer_ids[0])].mixer, "fill_cache")
+        return hasattr(self.first_layer.mixer, "fill_cache")
 
     def fill(self, next_tokens, hidden, positions, cache: KVCache) -> None:
         """The cache entries a chain's first pass over these positions stores, and nothing else: a plain step's."""
@@ -83,7 +88,7 @@ class MtpDrafter(nn.Module):
         self.fill_layers(self.embed_tokens(next_tokens), hidden, positions, rotary, cache)
 
     def fill_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache) -> torch.Tensor:
-        layer = self.layers[str(self.config.mtp_layer_ids[0])]
+        layer = self.first_layer
         x = layer.input_layernorm(layer.mtp_input(embeds, prev_hidden, positions))
         layer.mixer.fill_cache(x, positions, rotary, cache)
         return x  # a graph returns a tensor
@@ -107,7 +112,7 @@ class MtpDrafter(nn.Module):
     def run_layers(self, embeds, prev_hidden, positions, rotary, cache: KVCache | None, output_at=None):
         """The MTP layer's input projection, block and head: the part of a step `--compile` compiles. With
         `output_at` [B], the output (state and logits, [B, 1, ...]) at that one position of each row."""
-        layer = self.layers[str(self.config.mtp_layer_ids[0])]
+        layer = self.first_layer
         hidden = layer(layer.mtp_input(embeds, prev_hidden, positions), positions, rotary, cache)
         if output_at is not None:
             hidden = hidden.gather(1, output_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
