@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdoctor.runtime.cache.linear_state import LinearStates
-from specdoctor.runtime.cache.regroup import pad_length, take_rows
+from specdoctor.runtime.cache.regroup import joined_rows
 
 
 class KVCache:
@@ -89,10 +89,7 @@ class KVCache:
         joined = KVCache.__new__(KVCache)
         joined.max_len, joined._plan = max_len, None
         joined.entries = {
-            layer: [
-                take_rows(torch.cat([pad_length(c.entries[layer][n], max_len) for c in caches]), rows)
-                for n in range(len(buffers))
-            ]
+            layer: [joined_rows([c.entries[layer][n] for c in caches], rows, max_len) for n in range(len(buffers))]
             for layer, buffers in first.entries.items()
         }
         joined.states = LinearStates.regroup([c.states for c in caches], rows) if first.states else None

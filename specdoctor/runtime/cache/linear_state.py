@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specdoctor.runtime.cache.regroup import take_rows
+from specdoctor.runtime.cache.regroup import joined_rows
 
 
 class LinearStates:
@@ -66,6 +66,6 @@ class LinearStates:
         first = sources[0]
         joined = LinearStates.__new__(LinearStates)
         joined.rollback, joined.valid_end, joined.keep_positions, joined.pending = first.rollback, None, False, {}
-        joined.conv = {i: take_rows(torch.cat([s.conv[i] for s in sources]), rows) for i in first.conv}
-        joined.recurrent = {i: take_rows(torch.cat([s.recurrent[i] for s in sources]), rows) for i in first.recurrent}
+        joined.conv = {i: joined_rows([s.conv[i] for s in sources], rows) for i in first.conv}
+        joined.recurrent = {i: joined_rows([s.recurrent[i] for s in sources], rows) for i in first.recurrent}
         return joined

@@ -14,7 +14,7 @@ import torch
 
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.prefix import BLOCK_SIZE, block_hashes
-from specdoctor.runtime.cache.regroup import take_rows
+from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.decode.metrics import SpecMetrics
@@ -192,8 +192,8 @@ class BatchState:
         joined.drafts = (
             first.drafts.regroup([b.drafts for b in batches], rows, joined.sampler) if first.drafts else None
         )
-        joined.decision = take_rows(torch.cat([b.decision for b in batches]), rows)
-        joined.filled = take_rows(torch.cat([b.filled for b in batches]), rows)
+        joined.decision = joined_rows([b.decision for b in batches], rows)
+        joined.filled = joined_rows([b.filled for b in batches], rows)
         keep = range(len(sequences)) if rows is None else rows
 
         def kept(values: list) -> list:

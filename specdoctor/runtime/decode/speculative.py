@@ -15,7 +15,7 @@ import time
 import torch
 
 from specdoctor.runtime.cache.kv_cache import KVCache
-from specdoctor.runtime.cache.regroup import take_rows
+from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
 from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
@@ -131,11 +131,11 @@ class Drafts:
         with the batch's regrouped sampler."""
         cache = KVCache.regroup([d.cache for d in sources], rows)
         joined = Drafts(self.drafter, cache, self.k, sampler, self.sampled_drafts, self.tokens.device, self.faults)
-        joined.tokens = take_rows(torch.cat([d.tokens for d in sources]), rows)
+        joined.tokens = joined_rows([d.tokens for d in sources], rows)
         if any(d.probs is not None for d in sources):
             vocab = next(d.probs.shape[-1] for d in sources if d.probs is not None)
             probs = [d.probs if d.probs is not None else one_hot(d.tokens, vocab) for d in sources]
-            joined.probs = take_rows(torch.cat([p.float() for p in probs]), rows)
+            joined.probs = joined_rows([p.float() for p in probs], rows)
         joined.seconds = sum(d.seconds for d in sources)
         joined.decoding = True
         return joined
