@@ -157,11 +157,7 @@ class BatchState:
         decision[:, :2] = first
         if self.drafts:
             base = torch.zeros_like(first[:, 0])  # the one position
-            if propose:
-                self.drafts.propose(first[:, 1:], features, positions, base)
-                decision[:, self.k + 2 :] = self.drafts.tokens
-            else:
-                self.drafts.fill(first[:, 1:], features, positions, base)
+            decision[:, self.k + 2 :] = self.drafts.next_drafts(propose, first[:, 1:], features, positions, base)
         return decision
 
     def stand_in_plain_rows(self) -> None:

@@ -65,9 +65,11 @@ class RunningBatch:
         """Whether the coming step proposes drafts for the one after, with `joining` about to join: always without a
         policy, and while a row samples with a seed (a plain step would draw from its generator in another order
         than it does alone); else as the policy says for the rows there will be. Asked once a step."""
+        if self.policy is None:
+            return True
         rows = len(self.ids) + len(joining)
         sequences = [*(self.batch.sequences if self.batch else []), *joining]
-        if self.policy is None or not rows or any(sequence.sampling.seeded for sequence in sequences):
+        if not rows or any(sequence.sampling.seeded for sequence in sequences):
             return True
         return self.policy.speculate(rows)
 
@@ -78,7 +80,7 @@ class RunningBatch:
         if propose_next is None:
             propose_next = self.speculates_next()
         batch, rows, started = self.batch, len(self.ids), time.perf_counter()
-        before = sum(len(tokens) for tokens in batch.result.tokens)
+        before = sum(len(tokens) for tokens in batch.result.tokens) if self.policy else 0
         batch.step(propose_next)
         batch.commit(count_metrics=True)
         batch.advance()

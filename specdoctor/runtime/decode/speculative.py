@@ -89,6 +89,15 @@ class Drafts:
             self.seconds += time.perf_counter() - start
         self._dummy(next_tokens.shape[0], next_tokens.device)  # what a row verifies if made to speculate next
 
+    def next_drafts(self, propose: bool, next_tokens, features, positions, base) -> torch.Tensor:
+        """The drafts [B, k] the next step verifies: proposed, or PLACEHOLDER where it decodes plainly (the drafter's
+        cache only filled)."""
+        if propose:
+            self.propose(next_tokens, features, positions, base)
+            return self.tokens
+        self.fill(next_tokens, features, positions, base)
+        return torch.full_like(self.tokens, PLACEHOLDER)
+
     def past_dummy_limit(self, positions: torch.Tensor, base: torch.Tensor) -> bool:
         """vLLM's length gate (--fault drafter-max-position, a draft model's dummy policy): the batch's longest
         sequence (its last accepted position, not padding) plus k past the limit. Read from the device only when
@@ -184,12 +193,8 @@ def speculative_step(
     if drafts:
         new_token = emitted.gather(1, accepted[:, None])  # [B, 1]
         next_tokens = torch.cat([draft_tokens, new_token], dim=1).scatter(1, accepted[:, None], new_token)
-        if propose:
-            drafts.propose(next_tokens, features, positions, base=accepted)
-        else:
-            drafts.fill(next_tokens, features, positions, base=accepted)
-    proposed = drafts.tokens if drafts and propose else torch.full_like(draft_tokens, PLACEHOLDER)  # none: plain next
-    return torch.cat([accepted[:, None], emitted, proposed], dim=1)
+        draft_tokens = drafts.next_drafts(propose, next_tokens, features, positions, base=accepted)
+    return torch.cat([accepted[:, None], emitted, draft_tokens], dim=1)
 
 
 def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None):
