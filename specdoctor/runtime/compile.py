@@ -16,7 +16,9 @@ loop, which reads its expert list on the host (models whose routed experts are t
 once, GLM-4.5's at any batch, and packed quantised experts at any size; the floating-point demos' never do). A
 grouped-GEMM MoE kernel would lift that limit. On CUDA the same graphs are compiled without CUDA graphs
 (`mode="reduce-overhead"`): a step writes its KV cache, a graph input, in place, and Inductor skips CUDA graphs
-for graphs that mutate their inputs.
+for graphs that mutate their inputs. On the CPU a graph's calls are made from Inductor's C++ wrapper, not a
+generated Python function: at the demo's size a pass is a hundred calls of tens of microseconds each, and the
+Python between them cost as much as a tenth of a served token's time.
 
 Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
 does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
@@ -139,10 +141,12 @@ class LayerGraphs:
         self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
         self.loops_over_positions = any(getattr(layer, "loops_over_positions", False) for layer in module.modules())
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
-        # its own graph), so a rank compiles a handful of graphs, not one per request.
-        self.compiler = torch.compile(
-            self.eager, dynamic=True, fullgraph=True, options={"guard_filter_fn": kept_guards}
-        )
+        # its own graph), so a rank compiles a handful of graphs, not one per request. On the CPU a graph's hundred
+        # or so kernel and matmul calls are made from Inductor's C++ wrapper instead of a generated Python function
+        # (docs/performance.md: the C++ wrapper).
+        on_cpu = next(module.parameters()).device.type == "cpu"
+        options = {"guard_filter_fn": kept_guards, "cpp_wrapper": on_cpu}
+        self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True, options=options)
         self.directory = saved_graphs_dir(module, method)
         self.graphs: list = []  # AOT-compiled functions
         self.last_for_shapes: dict = {}  # the graph the last pass with these input shapes ran: tried first

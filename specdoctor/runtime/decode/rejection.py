@@ -13,6 +13,7 @@ import torch
 
 from specdoctor import kernels
 from specdoctor.kernels.reference import PLACEHOLDER
+from specdoctor.runtime.decode.sampling import greedy_tokens
 
 __all__ = ["PLACEHOLDER", "verify_greedy", "verify_random"]
 
@@ -33,7 +34,7 @@ def verify_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted counts [B], emitted tokens [B, k+1]): accept while the draft is the target's argmax."""
     k = drafts.shape[1]
-    argmax = target_logits.argmax(-1)  # [B, k+1]
+    argmax = greedy_tokens(target_logits)  # [B, k+1]
     if k == 0:  # plain decoding: the step's one token is the target's argmax
         return torch.zeros(drafts.shape[0], dtype=torch.long, device=drafts.device), argmax
     flat, cu = _flat(drafts)

@@ -51,6 +51,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (the first index on ties, as argmax gives), through `max`: on the CPU
+    its kernel is three to five times faster than argmax's over a vocabulary (docs/performance.md)."""
+    return logits.max(-1).indices
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs ([N, V] -> [N])."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

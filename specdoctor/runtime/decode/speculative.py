@@ -18,7 +18,7 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
-from specdoctor.runtime.decode.sampling import RowSampler, probabilities, sample
+from specdoctor.runtime.decode.sampling import RowSampler, greedy_tokens, probabilities, sample
 from specdoctor.runtime.faults import Faults
 
 DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordinary token id
@@ -123,7 +123,7 @@ class Drafts:
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits: [B, V]
         """A draft token [B] and, when a row samples, the q [B, V] it is verified against (unused for greedy rows)."""
-        tokens = logits.argmax(-1)
+        tokens = greedy_tokens(logits)
         if self.sampler.all_greedy:
             return tokens, None
         # vLLM's default: the drafter's argmax, verified as if q were one-hot on it (accepted when

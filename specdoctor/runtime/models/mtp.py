@@ -10,6 +10,7 @@ from torch import nn
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.decode.sampling import greedy_tokens
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin, rotary_tables
 from specdoctor.runtime.tensor_parallel import VocabParallelEmbedding, local_config
@@ -64,11 +65,11 @@ class MtpDrafter(nn.Module):
         # Step 0 fills the cache at every new position; only `base`'s output goes on (and needs the head).
         out, logits = step(next_tokens, hidden, positions, output_at=base)
         position = positions.gather(1, base[:, None])
-        drafts = [logits[:, 0].argmax(-1)]
+        drafts = [greedy_tokens(logits[:, 0])]
         for _ in range(k - 1):
             position = position + 1
             out, logits = step(drafts[-1][:, None], out, position)
-            drafts.append(logits[:, 0].argmax(-1))
+            drafts.append(greedy_tokens(logits[:, 0]))
         return torch.stack(drafts, dim=1)
 
     @property
