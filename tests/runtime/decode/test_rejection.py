@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
-from specdoctor.runtime.decode.sampling import SamplingParams, probabilities
+from specdoctor.runtime.decode.sampling import SamplingParams, greedy_tokens, probabilities
 
 P = PLACEHOLDER
 
@@ -43,6 +43,17 @@ def first_token_frequencies(p: torch.Tensor, q: torch.Tensor, k: int, n: int, se
     uniform = torch.rand(n, k, generator=generator)
     _, emitted = verify_random(drafts, q.expand(n, -1, -1), p.expand(n, -1, -1), uniform, generator)
     return torch.bincount(emitted[:, 0], minlength=vocab).float() / n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_are_torch_argmax_on_ties_and_nan(dtype):
+    """`greedy_tokens` goes through max for speed; torch's argmax is the oracle: the first index on ties (logits
+    of a few values repeat at every position) and the NaN's index where a row holds one."""
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (7, 2048, 151936):
+        logits = torch.randint(0, 3, (4, 5, vocab), generator=generator).to(dtype)
+        logits[1, 2, vocab // 2] = float("nan")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("k", [1, 3])
