@@ -29,11 +29,11 @@ from specdoctor.battery import battery_prompts
 from specdoctor.commands.serve import HOST_CORES, ServeOptions, serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import warmup_prompts
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.warmup import warmup_prompts
 from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank, rank_threads
 
 PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
@@ -126,6 +126,7 @@ def main() -> None:
             for warmup in warmup_prompts(ServeOptions.max_num_seqs, *limits):  # every kind of step, as serve's
                 request = GenerateRequest(warmup, 2 * k + 4, num_speculative_tokens=k, every_step_kind=k > 0)
                 decode_batch(model, request)
+            model.finish_compiles()  # the graphs compiled behind the warm-up, swapped in
             for adaptive, streams in itertools.product([True, False] if k else [False], args.streams):
                 progress.update(task, description=f"k {k}{' adaptive' if adaptive else ''}, {streams} streams")
                 rows.append(replay(model, k, adaptive, prompts, streams, args.requests, args.max_tokens))

@@ -84,8 +84,33 @@ def make_hf_checkpoint(path: Path, seed: int = 0, shard_size: str = "60KB", **ov
     return model
 
 
+def pytest_collection_modifyitems(config, items):
+    """The oracle tools' environments the selected tests need (`pytest.mark.tool_env`), installed now: after
+    collection, before any test's timeout starts."""
+    from tests.helpers.tool_env import install_before_the_tests
+    from tests.helpers.tool_envs import TOOL_ENVS
+
+    names = sorted({marker.args[0] for item in items for marker in item.iter_markers("tool_env")})
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    install_before_the_tests([TOOL_ENVS[name] for name in names], lambda line: reporter.write_line(line))
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """(directory, transformers model) of the default tiny checkpoint."""
     path = tmp_path_factory.mktemp("hf_tiny")
     return path, make_hf_checkpoint(path)
+
+
+@pytest.fixture(scope="session")
+def shared_compile_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture
+def demo_compile_cache(shared_compile_cache, monkeypatch) -> Path:
+    """A compile cache shared by the tests that compile the demo without testing what a cold cache does: the first
+    compiles its graphs (minutes on 2 cores), the later ones load them."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared_compile_cache))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_layers sets it; restored after
+    return shared_compile_cache

@@ -181,11 +181,12 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         for pp in options.pp_sizes:
             runtime = dataclasses.replace(options.runtime, pp=pp)
             with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
-                # A short run per k and batch size first: the first call pays one-off allocations, lazy imports
-                # and, compiled, the compiling of its shapes (a last, smaller batch may have shapes of its own).
+                # A short run per k and batch size first: the first call pays one-off allocations and lazy imports
+                # and, compiled, asks for the graphs of its shapes (a last, smaller batch may have shapes of its own).
                 for k in [0, *ks]:
                     for batch in {options.batch_size, len(prompts) % options.batch_size or options.batch_size}:
                         engine.generate(prompts[:batch], 4, num_speculative_tokens=k)
+                finish_compiles(engine, progress, task)
                 plain = measure(engine, prompts, 0, options, lambda: progress.advance(task))
                 rows.append(bench_row(pp, 0, plain, plain, []))
                 for k in ks:
@@ -208,6 +209,20 @@ def run_bench(options: BenchOptions, show_progress: bool) -> dict:
         },
         "rows": rows,
     }
+
+
+def finish_compiles(engine, progress: Progress, task) -> None:
+    """Compiled: wait for the graphs the warm-up runs asked for (compiled behind them), so the timed runs run them."""
+    from specdoctor.runtime.compile_status import compile_totals
+
+    def show(statuses) -> None:
+        totals = compile_totals(statuses)
+        progress.update(task, description=f"compiling: {totals['finished']} of {totals['requested']} graphs")
+
+    engine.on_compile_status = show
+    engine.finish_compiles()
+    engine.on_compile_status = None
+    progress.update(task, description="benchmarking")
 
 
 def bench_table(report: dict) -> Table:

@@ -13,13 +13,20 @@ from specdoctor.commands.options import BatteryOption, HtmlOption, JsonReportOpt
 from specdoctor.commands.output import emit_report
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.options import DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
+from specdoctor.probe.pace import SAFETY
 from specdoctor.report import ProbeReport, Sweep, acceptance_row, findings_table, render_verdict
 
 UrlOption = Annotated[str, typer.Option("--url", help="Base URL of the deployment, e.g. http://127.0.0.1:8000")]
 ApiKeyOption = Annotated[str | None, typer.Option(help="Bearer token for the server.")]
 ServedModelOption = Annotated[str | None, typer.Option("--model", help="Served model to probe (default: the first).")]
 MaxTokensOption = Annotated[int, typer.Option(help="Tokens per battery prompt.")]
-RequestTimeoutOption = Annotated[float, typer.Option(help="Seconds per request.")]
+RequestTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        help=f"Seconds a request gets at least; more where the server's measured pace needs it ({SAFETY:g}x its "
+        "slowest so far), up to what is left of --timeout."
+    ),
+]
 TimeoutOption = Annotated[float, typer.Option(help="Seconds for the whole probe: past it, sweeps are not run.")]
 ContextSweepFlag = Annotated[
     bool, typer.Option("--context-sweep", help="Acceptance against prompt length, up to the served max_model_len.")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import socket
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from specdoctor.commands.compile_progress import CompileProgress
 from specdoctor.commands.options import runtime_command
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
@@ -98,37 +100,44 @@ def run_serve(options: ServeOptions) -> None:
             console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
         if errors and not options.allow_unhealthy:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
-        if runtime.compile:
-            compile_step(engine, options.max_num_seqs, console)
         speculative = runtime.num_speculative_tokens > 0
-        metrics = ServerMetrics(name, speculative)
+        metrics = ServerMetrics(name, speculative, compiled=runtime.compile)
         template = chat_template(checkpoint.path)
         state = ServerState(
             engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
         )
         listening = (
             f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
-            f"k {runtime.num_speculative_tokens}, {engine.rank_info[0]['threads']} compute thread(s) a rank)"
+            f"k {runtime.num_speculative_tokens}, {engine.rank_info[0]['threads']} compute thread(s) a rank"
+            + (", eager until the graphs compiled behind it are in)" if runtime.compile else ")")
         )
-        serve_http(state, options.host, options.port, lambda: console.print(listening, highlight=False))
+        warm_up = None
+        if runtime.compile:
+            warm_up = functools.partial(warm_up_shapes, engine, options.max_num_seqs, CompileProgress(console))
+        serve_http(state, options.host, options.port, lambda: console.print(listening, highlight=False), warm_up)
     finally:
         engine.close()  # at once on Ctrl-C or SIGTERM before serving (loading, checking, compiling)
 
 
-def compile_step(engine, max_num_seqs: int, console: Console) -> None:
-    """--compile: run each shape of prompt pass and decode step a request can meet once before listening, so no
-    request waits for a compile; shown with the time each takes (minutes from a cold compile cache, seconds from a
-    warm one): two-token prompts at batch 1 and the powers of two up to a full batch, then one-token prompts, and
-    prompts past the length where the MoE layers switch paths (`warmup_prompts`)."""
-    from specdoctor.runtime.compile import graph_cache_dir, warmup_prompts
+def warm_up_shapes(engine, max_num_seqs: int, progress: CompileProgress) -> None:
+    """--compile: run each shape of prompt pass and decode step a request can meet once, eager, before the first
+    request joins (seconds), so the ranks' compile threads have every graph to make before traffic meets it: two-token
+    prompts at batch 1 and the powers of two up to a full batch, then one-token prompts, and prompts past the length
+    where the MoE layers switch paths (`warmup_prompts`). Then `progress` shows the compile until every graph is in."""
+    from specdoctor.runtime.compile import graph_cache_dir
+    from specdoctor.runtime.warmup import warmup_prompts
 
     k = engine.options.num_speculative_tokens
-    console.print(f"compiling the decode step (k {k}); compile cache: {graph_cache_dir()}", highlight=False)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        # with adaptive speculation, every kind of step: four steps emit at most 2k + 4 tokens (GenerateRequest)
-        cycled = engine.options.adaptive_speculation and k > 0
-        for prompts in warmup_prompts(max_num_seqs, engine.gathered_token_limit, engine.grouped_from):
-            task = progress.add_task(f"batch {len(prompts)}, prompts of {len(prompts[0])} tokens", total=1)
-            engine.generate(prompts, 2 * k + 4 if cycled else 4, num_speculative_tokens=k, every_step_kind=cycled)
-            progress.update(task, completed=1)
+    # with adaptive speculation, every kind of step: four steps emit at most 2k + 4 tokens (GenerateRequest)
+    cycled = engine.options.adaptive_speculation and k > 0
+    batches = warmup_prompts(max_num_seqs, engine.gathered_token_limit, engine.grouped_from)
+    started = time.perf_counter()
+    for prompts in batches:
+        engine.generate(prompts, 2 * k + 4 if cycled else 4, num_speculative_tokens=k, every_step_kind=cycled)
+    progress.console.print(
+        f"warmed up {len(batches)} batch shapes eager in {time.perf_counter() - started:.1f} s (k {k}); their graphs "
+        f"compile behind serving, kept in {graph_cache_dir()}",
+        highlight=False,
+    )
+    engine.on_compile_status = progress.update
+    progress.update(engine.compile_status)

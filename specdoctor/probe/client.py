@@ -11,6 +11,7 @@ could double count. Acceptance comes from the best source the server offers:
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,12 +22,9 @@ from specdoctor.checks.acceptance import acceptance_findings
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.probe.options import ProbeOptions
+from specdoctor.probe.pace import SAFETY, Pace
 from specdoctor.report import Finding
 from specdoctor.runtime.decode.metrics import SpecMetrics
-
-
-class BudgetSpent(SpecdoctorError):
-    """The probe's whole budget (--timeout) ran out: the sweep under way and the ones after it are not run."""
 
 
 @dataclass(frozen=True)
@@ -76,16 +74,19 @@ class Probe:
         self.options = options
         self.url = (url or options.url).rstrip("/")
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=options.request_timeout)
-        self.deadline = deadline or time.monotonic() + options.timeout
+        self.client = httpx.Client(base_url=self.url, headers=headers)
+        # each request's timeout follows this server's pace, inside the one budget
+        self.pace = Pace(options.request_timeout, options.timeout, deadline)
+        self.in_flight = 0
+        self.lock = threading.Lock()
 
     def sibling(self, url: str) -> "Probe":
-        """A probe of another server (a reference) within this probe's budget."""
-        return Probe(self.options, url, self.deadline)
+        """A probe of another server (a reference, with a pace of its own) within this probe's budget."""
+        return Probe(self.options, url, self.pace.deadline)
 
     def get(self, path: str) -> httpx.Response:
         try:
-            return self.client.get(path)
+            return self.client.get(path, timeout=self.pace.timeout(1, 1))
         except httpx.HTTPError as err:
             raise SpecdoctorError(f"{self.url}: cannot reach the server ({type(err).__name__}: {err})") from None
 
@@ -123,8 +124,6 @@ class Probe:
     def complete(self, model: str, prompt: str | list[int], **fields) -> dict:
         """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input.
         Greedy with the probe's max_tokens unless `fields` say otherwise."""
-        if time.monotonic() > self.deadline:
-            raise BudgetSpent(f"the probe ran past its {self.options.timeout:.0f} s budget (--timeout)")
         # return_token_ids: vLLM then returns the completion's token ids (for the bigram baseline); others ignore it.
         body = {
             "model": model,
@@ -134,16 +133,31 @@ class Probe:
             "return_token_ids": True,
             **fields,
         }
+        with self.lock:
+            self.in_flight += 1
+            in_flight = self.in_flight
+        timeout, sent = self.pace.timeout(body["max_tokens"], in_flight), time.monotonic()
         try:
-            response = self.client.post("/v1/completions", json=body)
+            response = self.client.post("/v1/completions", json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            raise SpecdoctorError(
+                f"{self.url}: a completion of {body['max_tokens']} tokens got no reply within {timeout:.0f} s ("
+                f"{SAFETY:g}x the server's slowest pace so far, with {in_flight} in flight)"
+            ) from None
         except httpx.HTTPError as err:
             raise SpecdoctorError(f"{self.url}: a completion failed ({type(err).__name__}: {err})") from None
+        finally:
+            with self.lock:
+                self.in_flight -= 1
         if response.status_code != 200:
             return {"error": f"POST /v1/completions answered {response.status_code}: {response.text[:200]}"}
         try:
-            return response.json()
+            reply = response.json()
         except ValueError:
             return {"error": f"POST /v1/completions answered 200 without JSON: {response.text[:200]}"}
+        tokens = ((reply.get("usage") if isinstance(reply, dict) else None) or {}).get("completion_tokens")
+        self.pace.observe(time.monotonic() - sent, tokens if isinstance(tokens, int) else body["max_tokens"], in_flight)
+        return reply
 
     def complete_all(self, model: str, prompts: list, concurrency: int = 1, **fields) -> list[dict]:
         """Every prompt's reply, in order, with at most `concurrency` requests in flight."""

@@ -9,9 +9,10 @@ from specdoctor.battery import load_battery, prompt_of
 from specdoctor.checks.acceptance import bigram_baseline
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.acceptance_sweeps import concurrency_sweep, context_sweep, prefix_cache_sweep
-from specdoctor.probe.client import BudgetSpent, Probe, Served, error_findings, first_choice, probe_findings
+from specdoctor.probe.client import Probe, Served, error_findings, first_choice, probe_findings
 from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.output_sweeps import reference_sweep, sampling_sweep
+from specdoctor.probe.pace import BudgetSpent
 from specdoctor.probe.verdicts import not_run
 from specdoctor.report import ProbeReport, Sweep
 

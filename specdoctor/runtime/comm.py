@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
+from specdoctor.runtime.liveness import Liveness, PeerStuck
 from specdoctor.runtime.tensor_parallel import TensorParallel
 
 
@@ -38,6 +39,8 @@ class PipelineComm:
             dist.init_process_group(
                 backend, rank=rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
             )
+        store = dist.distributed_c10d._get_default_store() if self.world_size > 1 else None
+        self.liveness = Liveness(store, rank, self.world_size, timeout_s)
         group = None
         for stage in range(pp) if tp > 1 else ():  # every rank creates every group, in the same order
             ranks = list(range(stage * tp, (stage + 1) * tp))
@@ -60,6 +63,20 @@ class PipelineComm:
             raise PipelineError(f"rank {self.rank}: {what} rank {peer} failed ({detail[:200]})") from None
         finally:
             self.seconds += time.perf_counter() - start
+
+    def working(self, phase: str):
+        """A block of long work (loading, compiling): peers waiting at `wait_for_peers` wait for it."""
+        return self.liveness.working(phase)
+
+    def wait_for_peers(self, what: str) -> None:
+        """Meet every rank after long work, before the collective that would otherwise time out on a working peer."""
+        try:
+            self.liveness.wait_for_peers(what)
+        except PeerStuck as err:
+            raise PipelineError(f"rank {self.rank}: {err}") from None
+        except Exception as err:  # the store lives in rank 0's process: stopped or gone, it answers no one
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PipelineError(f"rank {self.rank}: waiting for its peers {what} failed ({detail[:200]})") from None
 
     def send_next(self, tensor: torch.Tensor) -> None:
         with self._talking_to(self.peer(self.stage + 1), "sending hidden states to"):

@@ -20,11 +20,12 @@ for graphs that mutate their inputs. On the CPU a graph's calls are made from In
 generated Python function: at the demo's size a pass is a hundred calls of tens of microseconds each, and the
 Python between them cost as much as a tenth of a served token's time.
 
-Each graph is compiled ahead of its first use with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE`
-does) and saved whole, Dynamo's output and guards with Inductor's kernels, in the user's cache directory
-(`graph_cache_dir`): a later start loads it instead of tracing the step's Python again (docs/performance.md:
-start-up). A module whose layers break the graph (AOT compile
-needs one whole graph) is compiled by plain torch.compile, which traces on every start.
+Each graph is compiled with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE` does), behind the passes: a
+pass no active graph takes runs eager and asks the rank's compile thread for one, which swaps it in at a step
+boundary (runtime/background_compile.py). It is saved whole, Dynamo's output and guards with Inductor's kernels, in
+the user's cache directory (`graph_cache_dir`): a later start loads it instead of tracing the step's Python again
+(docs/performance.md: start-up). A module whose layers break the graph (AOT compile needs one whole graph) runs
+eager, with a warning.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from specdoctor import kernels
 from specdoctor.runtime import tensor_parallel
-from specdoctor.runtime.cache.prefix import BLOCK_SIZE
+from specdoctor.runtime.background_compile import BackgroundCompiler, JobOutcome, shape_class
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 
@@ -84,60 +85,25 @@ def measured_once(key: str, measure) -> int | None:
     return known[key]
 
 
-def warmup_batches(max_batch: int) -> list[int]:
-    """The batch sizes whose passes meet every graph a batch of up to `max_batch` rows can need: 1 (sizes of 1 get
-    graphs of their own), each power of two, and `max_batch`. Where a pass's MoE layers switch paths past L tokens
-    (runtime/models/moe.py), the draft chain, one graph over a pass of B x (k + 1) tokens and passes of B, takes one
-    path in all (B <= L / (k + 1)), the other in all (B > L), or both: that middle range (L / (k + 1), L] spans at
-    least a factor of two, so a power of two falls in it whatever L is."""
-    return sorted({*(1 << n for n in range(max_batch.bit_length())), max_batch})
-
-
-def warmup_prompts(max_batch: int, gathered_tokens: int, grouped_from: int | None = None) -> list[list[list[int]]]:
-    """The batches of prompts whose prompt passes and decode steps meet every graph a batch of up to `max_batch`
-    rows can need, where MoE layers gather experts for passes of up to `gathered_tokens` tokens (the ranks'
-    `gathered_token_limit`) and, measured on a CPU rank, run a grouped GEMM from `grouped_from` tokens on (None:
-    never): two-token prompts at each of `warmup_batches`, one-token prompts (sizes of 1 get graphs of their own),
-    then prompts of 16n + 1 tokens past the limit, each sent twice. The first time their prompt pass takes every
-    expert (or the grouped GEMM), which no decode pass of one row (k + 1 <= the limit) nor a two-token prompt pass
-    of two reaches; the second time, with prefix caching, it computes the one token past the cached blocks against
-    a cache of 16n + 1 positions (a one-token pass over a longer cache is another graph again). Where a grouped
-    GEMM runs, prompts just past the limit and just past `grouped_from` tokens a batch come too, so a batch's prompt
-    pass meets each side of both switches (a power of two would also equal a head size: a graph traced with two
-    sizes equal takes them as one). The one-token passes run at batch 1, 2 (gathered experts up to the
-    limit) and the first warm-up batch past the limit (every expert)."""
-    sizes = warmup_batches(max_batch)
-    one_token = sorted({*sizes[:2], *[batch for batch in sizes if batch > gathered_tokens][:1]})
-    batches = [[[1, 2]] * batch for batch in sizes] + [[[1]] * batch for batch in one_token]
-    length = BLOCK_SIZE * (gathered_tokens // BLOCK_SIZE + 1) + 1
-    for batch in one_token:  # a token of its own per batch size: one size's blocks are no prefix of the other's
-        batches += [[[batch] * length] * batch] * 2
-        if grouped_from is not None:
-            # a token no other warm-up prompt starts with: no cached block shortens their passes
-            switches = {gathered_tokens // batch + 1, grouped_from // batch + 1} - {length, 1}  # 1: run above
-            batches += [[[max_batch + batch] * tokens] * batch for tokens in sorted(switches)]
-    return batches
-
-
-def compile_layers(module: torch.nn.Module) -> None:
-    """Route `module.run_layers` (its first argument [B, T, ...]) through compiled graphs, and a drafter's greedy
-    draft chain (`greedy_chain`, where it has one) as one graph per chain."""
+def compile_layers(module: torch.nn.Module, compiler: BackgroundCompiler) -> None:
+    """Route `module.run_layers` (its first argument [B, T, ...]) through graphs `compiler` compiles behind the passes,
+    and a drafter's greedy draft chain (`greedy_chain`, where it has one) as one graph per chain."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
-    module.run_layers = LayerGraphs(module)
-    if hasattr(module, "greedy_chain"):
-        module.greedy_chain = LayerGraphs(module, "greedy_chain")
-    if hasattr(module, "fill_layers"):
-        module.fill_layers = LayerGraphs(module, "fill_layers")
+    for method in ("run_layers", "greedy_chain", "fill_layers"):
+        if hasattr(module, method):
+            setattr(module, method, LayerGraphs(module, compiler, method))
 
 
 class LayerGraphs:
-    """`module.run_layers` under --compile: a pass runs a graph of the module's whose guards (the shapes, dtypes
-    and constants it was traced with) pass, trying first the one the last pass with the same input shapes ran,
-    compiling and saving one when none does."""
+    """`module.run_layers` under --compile: a pass runs an active graph of the module's whose guards (the shapes,
+    dtypes and constants it was traced with) pass, trying first the one the last pass with the same input shapes ran;
+    when none does it runs eager and asks the rank's compiler for one (runtime/background_compile.py)."""
 
-    def __init__(self, module: torch.nn.Module, method: str = "run_layers"):
-        self.module, self.eager = module, getattr(module, method)
-        moe_limits = [layer.loop_token_limit() for layer in module.modules() if isinstance(layer, MoE)]
+    def __init__(self, module: torch.nn.Module, compiler: BackgroundCompiler, method: str = "run_layers"):
+        self.module, self.eager, self.background = module, getattr(module, method), compiler
+        self.name = f"{type(module).__name__}.{method}"
+        self.moe_layers = [layer for layer in module.modules() if isinstance(layer, MoE)]
+        moe_limits = [layer.loop_token_limit() for layer in self.moe_layers]
         self.token_limit = min((limit for limit in moe_limits if limit is not None), default=None)
         self.loops_over_positions = any(getattr(layer, "loops_over_positions", False) for layer in module.modules())
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
@@ -148,73 +114,112 @@ class LayerGraphs:
         options = {"guard_filter_fn": kept_guards, "cpp_wrapper": on_cpu}
         self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True, options=options)
         self.directory = saved_graphs_dir(module, method)
-        self.graphs: list = []  # AOT-compiled functions
+        self.active: list = []  # the graphs passes run: swapped in at step boundaries
         self.last_for_shapes: dict = {}  # the graph the last pass with these input shapes ran: tried first
-        self.loaded, self.compiled = False, 0
-        self.traced = None  # plain torch.compile, for a module whose layers break the graph
+        # The compile thread's: (job number, graph) of every graph it has, and the job that found the layers break
+        # the graph (their passes stay eager once it is swapped in).
+        self.graphs: list[tuple[int, object]] = []
+        self.breaks_at: int | None = None
+        self.runs_eager = False
+        # The serving thread's: the job asked for each shape class and how often; jobs asked in all, at most `limit`.
+        self.requests: dict = {}
+        self.asked, self.limit = 0, RECOMPILE_LIMIT
+        compiler.add(self)
 
     def __call__(self, *args):
         batch, positions = args[0].shape[:2]
         prompt_unrolled = self.loops_over_positions and positions > DECODE_POSITIONS
-        if prompt_unrolled or (self.token_limit is not None and batch * positions > self.token_limit):
+        looped_experts = self.token_limit is not None and batch * positions > self.token_limit
+        if self.runs_eager or prompt_unrolled or looped_experts:
             return self.eager(*args)
-        if self.traced is None and (graph := self.matching(args) or self.add(args)):
+        if graph := self.matching(args):
             return graph(self.module, *args)
-        return (self.traced or self.eager)(*args)  # eager past the graph limit
+        self.background.request(self, args)
+        return self.eager(*args)
 
     def __reduce__(self):
         # Dynamo saves the module's attributes with a graph's guards; the graphs never read this one.
         return LayerGraphs.__new__, (LayerGraphs,)
 
+    def shape_key(self, args) -> tuple:
+        """The graph a pass needs, roughly (`shape_class`), and the path its MoE layers take: for a pass's B x T tokens,
+        and for B (a draft chain's later steps), so a prompt pass and a decode step of one batch ask apart."""
+        batch, positions = args[0].shape[:2]
+        paths = {layer.path(tokens) for layer in self.moe_layers for tokens in (batch * positions, batch)}
+        return shape_class(args), tuple(sorted(paths))
+
     def matching(self, args):
         shapes = tuple(tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor))
         last = self.last_for_shapes.get(shapes)
-        for graph in ([last] if last else []) + self.graphs:
+        for graph in ([last] if last else []) + self.active:
             if graph.guard_check(self.module, *args):
                 self.last_for_shapes[shapes] = graph
                 return graph
         return None
 
-    def add(self, args):
-        import torch._dynamo
+    def activate(self, finished: int) -> int:
+        """Swap in the graphs of the jobs numbered below `finished` (a step boundary); how many are active."""
+        self.active = [graph for job, graph in list(self.graphs) if job < finished]
+        self.runs_eager = self.breaks_at is not None and self.breaks_at < finished
+        return len(self.active)
 
-        if not self.loaded:
-            self.loaded = True
-            for path in sorted(self.directory.glob("*.graph")):
-                self.load(path)
-            if graph := self.matching(args):
-                return graph
-        if self.compiled >= RECOMPILE_LIMIT:
-            return None
-        self.compiled += 1
+    def run_job(self, job) -> JobOutcome:
+        """The compile thread's work for one job: load the saved graphs, or compile (and save) one for the job's
+        inputs, unless a graph it has already takes them."""
+        if job.args is None:
+            return JobOutcome(loaded=self.load_saved(job.number))
+        with torch.set_grad_enabled(job.grad):  # the pass's (thread-local): guards check it, traces run under it
+            return self.compile_for(job)
+
+    def compile_for(self, job) -> JobOutcome:
+        graphs = list(self.graphs)
+        if self.breaks_at is not None or any(graph.guard_check(self.module, *job.args) for _, graph in graphs):
+            return JobOutcome()
         try:
             with torch._dynamo.config.patch(specialize_float=True):  # floats as constants: one trace, no restart
-                graph = self.compiler.aot_compile((args, {}))
-        except Exception:  # a graph break, unsaveable guards, Inductor's caches turned off: trace as torch.compile
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
-            self.traced = torch.compile(self.eager, dynamic=True)  # an error of the layers themselves shows there
-            return None
+                graph = self.compiler.aot_compile((job.args, {}))
+        except torch._dynamo.exc.Unsupported as err:  # AOT compile needs one whole graph
+            self.breaks_at = job.number
+            return JobOutcome(warning=f"{self.name}: its layers break the graph ({first_line(err)}): they run eager")
+        except Exception as err:  # Inductor's or the C++ compiler's failure, a killed compile worker, a full disk
+            return JobOutcome(warning=f"{self.name}: a compile failed ({first_line(err)}): those passes run eager")
+        self.save(graph)
+        self.graphs.append((job.number, self.ready(graph)))
+        return JobOutcome(compiled=1)
+
+    def save(self, graph) -> None:
+        """Into the cache whole or not at all: written aside, then renamed (a process stopped mid-write leaves a
+        `.partial` file that no start loads)."""
+        partial = self.directory / f".{uuid.uuid4().hex}.partial"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            graph.save_compiled_function(str(self.directory / f"{uuid.uuid4().hex}.graph"))
+            graph.save_compiled_function(str(partial))
+            partial.replace(self.directory / f"{uuid.uuid4().hex}.graph")
         except Exception:  # a read-only or full cache, something unpicklable: this process still has the graph
-            pass
-        return self.ready(graph)
+            partial.unlink(missing_ok=True)
 
-    def load(self, path: Path) -> None:
-        """Add a saved graph; remove its file where it no longer loads (cut off by a full disk or a killed writer)."""
-        try:
-            with path.open("rb") as file:
-                graph = torch.compiler.load_compiled_function(file, f_globals=self.eager.__func__.__globals__)
-        except Exception:  # whatever its unpickling raises: the graph is compiled again
-            path.unlink(missing_ok=True)
-            return
-        self.ready(graph)
+    def load_saved(self, number: int) -> int:
+        """Add every saved graph as job `number`'s; remove the files that no longer load (cut off by a full disk or
+        a killed writer). How many loaded."""
+        for path in sorted(self.directory.glob("*.graph")):
+            try:
+                with path.open("rb") as file:
+                    graph = torch.compiler.load_compiled_function(file, f_globals=self.eager.__func__.__globals__)
+            except Exception:  # whatever its unpickling raises: the graph is compiled again
+                path.unlink(missing_ok=True)
+                continue
+            self.graphs.append((number, self.ready(graph)))
+        return len(self.graphs)
 
-    def ready(self, graph):
+    @staticmethod
+    def ready(graph):
         graph.disable_guard_check()  # `matching` has checked them; calling would check again
-        self.graphs.append(graph)
         return graph
+
+
+def first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:200]
 
 
 # Guards on the module's structure (its submodules' types, attributes not shadowed, empty hook dicts) and on its

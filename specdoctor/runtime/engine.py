@@ -10,6 +10,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for_any
 
 import torch
@@ -20,6 +21,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import model_eos_token_ids
 from specdoctor.runtime.comm import PipelineError
+from specdoctor.runtime.compile_status import CompileStatus
 from specdoctor.runtime.decode.continuous import CANCEL, JOIN, RowUpdate
 from specdoctor.runtime.decode.requests import (
     GenerateRequest,
@@ -33,7 +35,7 @@ from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.drafter.kinds import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
-from specdoctor.runtime.launch import free_port, process_state, rank_context, stop_signals_held
+from specdoctor.runtime.launch import free_port, kill_descendants, process_state, rank_context, stop_signals_held
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.tap_probe import TapReading
@@ -106,6 +108,10 @@ class Engine:
         self._closed = False
         self.continuous_k = 0  # the speculative tokens of continuous batching, once started
         self.rank_info: list[dict] = [{} for _ in range(world)]
+        # --compile: each rank's graphs as it last reported them, and who is told of every report (whichever thread
+        # reads the ranks' replies calls it)
+        self.compile_status: dict[int, CompileStatus] = {}
+        self.on_compile_status: Callable[[dict[int, CompileStatus]], None] | None = None
         try:
             with stop_signals_held():
                 for process in self._processes:
@@ -218,15 +224,21 @@ class Engine:
         self._inbox.put(("probe_taps", prompt))
         return self._wait_for("probe_taps", self.silence_limit_s)[2]
 
+    def finish_compiles(self) -> None:
+        """Wait until every rank has compiled (or loaded) the graphs its passes asked for so far, and runs them
+        (`bench` times compiled steps); minutes from a cold compile cache."""
+        if self.options.compile:
+            self._ask("finish_compiles")
+
     def measure_drafter(self) -> DrafterState:
         """What the live drafter holds, measured on its rank."""
-        return self._drafter_operation("measure_drafter")
+        return self._ask("measure_drafter")
 
     def repair_drafter(self, names: list[str] | dict[int, list[str]]) -> RepairResult:
         """Fill the named drafter tensors from the checkpoint, on the drafter's stage (by TP rank: each its own)."""
-        return self._drafter_operation("repair_drafter", names=names)
+        return self._ask("repair_drafter", names=names)
 
-    def _drafter_operation(self, kind: str, **payload):
+    def _ask(self, kind: str, **payload):
         if self._closed:
             raise PipelineError("the engine is closed")
         self._inbox.put((kind, payload))
@@ -253,6 +265,11 @@ class Engine:
                 continue
             last_heard = time.monotonic()
             kind, rank, payload = message
+            if kind == "compile":
+                self.compile_status[rank] = payload
+                if self.on_compile_status:
+                    self.on_compile_status(dict(self.compile_status))
+                continue
             if kind in ERRORS:
                 time.sleep(0.5)  # let a peer's death and its own report arrive, so the root cause is named
                 reported = self._root_cause([payload] if kind == "error" else [], [payload])
@@ -299,8 +316,7 @@ class Engine:
     def close(self, grace_s: float = 10.0) -> None:
         """Ask the ranks to shut down and give them `grace_s` to do so; then stop them. At once for a failed
         pipeline, which holds nothing worth a clean exit, and when closed while Ctrl-C or SIGTERM unwinds the
-        caller (its `finally` or `with`): a rank busy in a long step (compiling) would not read "shutdown" for
-        minutes."""
+        caller (its `finally` or `with`): a rank stuck in a long step would not read "shutdown" for minutes."""
         if isinstance(sys.exc_info()[1], KeyboardInterrupt):
             grace_s = 0
         started = [process for process in self._processes if process.pid is not None]  # stopped while starting
@@ -314,6 +330,7 @@ class Engine:
             process.join(timeout=max(0.1, deadline - time.time()))
         for process in started:
             if process.is_alive():
+                kill_descendants(process.pid)  # its compilers, which would compile on as orphans
                 process.kill()
                 process.join(timeout=5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import socket
 import threading
@@ -43,11 +44,39 @@ def start_fork_server() -> None:
 
 def process_state(pid: int) -> str | None:
     """The one-letter state Linux reports for a process ('T' when stopped), or None where unknown."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def stat_fields(pid: int) -> list[str]:
+    """What Linux reports of a process after its name (state, parent pid, ...); [] where unknown."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL every process `pid` started, and theirs (a rank's compilers: a rank that is stopped or exits would leave
+    them compiling on as orphans). Linux only; elsewhere nothing."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return
+    children: dict[int, list[int]] = {}
+    for child in pids:
+        fields = stat_fields(child)
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(child)
+    found, pending = [], list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found.append(child)
+        pending += children.get(child, [])
+    for child in found:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
 
 
 @contextlib.contextmanager

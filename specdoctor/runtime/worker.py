@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
+from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -34,6 +36,7 @@ from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.heap import freeze_survivors, frozen_startup_heap
+from specdoctor.runtime.launch import kill_descendants
 from specdoctor.runtime.models.moe import MoE, measure_grouped_from
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
@@ -66,8 +69,11 @@ def load_rank(options: RuntimeOptions, rank: int) -> tuple[RankModel, dict]:
         # step: 15 ms of host time per attention call on an H200 (profiled). Flash and memory-efficient attention take
         # any length.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    model, info = build_rank(options, rank)
+    with comm.working("loading its shard"):
+        model, info = build_rank(options, rank)
     model.comm = comm
+    # A peer still loading (a larger stage, a slower disk) is waited for here, not timed out at the first command.
+    comm.wait_for_peers("to finish loading")
     return model, info
 
 
@@ -105,9 +111,11 @@ def build_rank(
     modules = (stage, drafter) if drafter is not None else (stage,)
     moe_layers = [layer for module in modules for layer in module.modules() if isinstance(layer, MoE)]
     grouped_from = choose_moe_paths(moe_layers, device)
+    graphs = None
     if options.compile:
+        graphs = BackgroundCompiler(rank, tensor_parallel.current().group, device)
         for module in modules:
-            compile_layers(module)
+            compile_layers(module, graphs)
     info = {
         "rank": stage_rank,
         "tp_rank": tp_rank,
@@ -127,6 +135,7 @@ def build_rank(
     model = RankModel(
         placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, kind, faults
     )
+    model.graphs = graphs
     config = checkpoint.config
     hybrid = any(map(config.is_linear_attention, range(config.num_hidden_layers)))
     if options.enable_prefix_caching and not hybrid:  # recurrent states are not kept per block
@@ -220,6 +229,10 @@ def run_command(model: RankModel, kind: str, payload, reply: Callable[[str, obje
         readings = probe_taps(model, payload)
         if last:
             reply(kind, readings)
+    elif kind == "finish_compiles":
+        model.finish_compiles(beat=lambda: reply("alive", None))
+        if first:
+            reply(kind, None)
     elif kind in DRAFTER_OPERATIONS and model.placement.is_last:
         operation, combine = DRAFTER_OPERATIONS[kind]
         answers = model.comm.gather_tp(operation(model, **payload), kind)
@@ -296,9 +309,12 @@ def rank_main(
             except queue.Empty:
                 return [message for message in messages if message[0] != "noop"]
 
+    sending = threading.Lock()  # the compile thread reports on the same pipe
+
     def reply(kind: str, payload) -> None:
         try:
-            replies.send((kind, rank, payload))
+            with sending:
+                replies.send((kind, rank, payload))
         except (BrokenPipeError, ConnectionResetError):  # the controller stopped while this rank worked
             raise ControllerGone from None
 
@@ -309,6 +325,8 @@ def rank_main(
     try:
         model, info = load_rank(options, rank)
         reply("ready", {**info, "threads": torch.get_num_threads()})
+        if model.graphs is not None:
+            model.graphs.report_to(lambda status: report("compile", status))
         first = rank == 0
         serve(model, next_command if first else None, reply, poll if first else None)
     except ControllerGone:  # stopped by a signal (the controller ends at once): nothing to say
@@ -323,6 +341,7 @@ def rank_main(
         report("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
     finally:
+        kill_descendants(os.getpid())  # a compile behind the passes ends with the rank: its compilers too
         if model is not None:
             model.comm.close()
     # A clean shutdown: the process group is gone and every reply was written synchronously, so the

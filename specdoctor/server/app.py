@@ -55,10 +55,16 @@ class StoppingServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-def serve_http(state: ServerState, host: str, port: int, on_listening: Callable[[], None]) -> None:
-    """Serve until stopped; `on_listening()` once the port is bound. A client that stops reading holds its
-    stream open: it is closed after 5 s."""
-    scheduler = ContinuousScheduler(state.engine, state.metrics, state.max_num_seqs, state.max_waiting)
+def serve_http(
+    state: ServerState,
+    host: str,
+    port: int,
+    on_listening: Callable[[], None],
+    warm_up: Callable[[], None] | None = None,
+) -> None:
+    """Serve until stopped; `on_listening()` once the port is bound, then `warm_up()` (requests wait for it). A client
+    that stops reading holds its stream open: it is closed after 5 s."""
+    scheduler = ContinuousScheduler(state.engine, state.metrics, state.max_num_seqs, state.max_waiting, warm_up)
     config = uvicorn.Config(
         create_app(state, scheduler), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
     )
@@ -100,6 +106,7 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         state.metrics.set_queue(len(scheduler.running), len(scheduler.waiting))
+        state.metrics.set_compile(state.engine.compile_status)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @api.get("/models")

@@ -7,16 +7,24 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from specdoctor.runtime.compile_status import CompileStatus, compile_totals
 from specdoctor.runtime.decode.metrics import SpecMetrics
 
+COMPILE_GAUGES = {
+    "active": "Compiled graphs the ranks run (loaded or compiled, swapped in).",
+    "pending": "Graphs asked for and not yet compiled: their passes run eager.",
+    "compiled": "Graphs compiled since start-up.",
+    "loaded": "Graphs loaded from the compile cache.",
+    "failed": "Compiles that failed: their passes stay eager.",
+}
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 disable_created_metrics()  # vLLM's scrape has no `_created` samples either
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, speculative: bool):
-        self.model_name, self.speculative = model_name, speculative
+    def __init__(self, model_name: str, speculative: bool, compiled: bool = False):
+        self.model_name, self.speculative, self.compiled = model_name, speculative, compiled
         self.registry = CollectorRegistry()
         label = ["model_name"]
 
@@ -46,6 +54,11 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
+        if compiled:  # the graphs compiled behind serving (runtime/background_compile.py), over every rank
+            self.compile_gauges = {
+                name: Gauge(f"specdoctor:compile_{name}", text, label, registry=self.registry)
+                for name, text in COMPILE_GAUGES.items()
+            }
         self._lock = threading.Lock()
 
     def record_request(self, outcome: str, prompt_tokens: int, generation_tokens: int, spec: SpecMetrics | None):
@@ -68,6 +81,12 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
+
+    def set_compile(self, statuses: dict[int, CompileStatus]) -> None:
+        if self.compiled:
+            for name, value in compile_totals(statuses).items():
+                if name in self.compile_gauges:
+                    self.compile_gauges[name].labels(self.model_name).set(value)
 
     def render(self) -> str:
         if self.speculative:  # vLLM shows the counters at 0 before the first request

@@ -41,8 +41,16 @@ class Job:
 
 
 class ContinuousScheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_running: int = 32, max_waiting: int = 256):
-        self.engine, self.metrics = engine, metrics
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        max_running: int = 32,
+        max_waiting: int = 256,
+        warm_up: Callable[[], None] | None = None,
+    ):
+        self.engine, self.metrics, self.warm_up = engine, metrics, warm_up
+        self.started = False  # the engine runs continuous batching: requests may join
         self.max_running, self.max_waiting = max_running, max_waiting
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
@@ -97,9 +105,18 @@ class ContinuousScheduler:
         self.waiting.clear()
 
     async def run(self) -> None:
-        """Start the engine's continuous batching and deliver its news until the engine closes or fails."""
+        """Warm up (requests queue meanwhile), start the engine's continuous batching and deliver its news until the
+        engine closes or fails."""
         loop = asyncio.get_running_loop()
+        if self.warm_up:
+            try:
+                await asyncio.to_thread(self.warm_up)
+            except Exception as err:  # a rank died warming up: the queued requests fail, as in serving
+                self._fail(err)
+                return
         self.engine.start_continuous()
+        self.started = True
+        self._admit()
         stopped = threading.Event()
 
         def listen() -> None:  # a thread: the engine's replies block
@@ -121,7 +138,7 @@ class ContinuousScheduler:
             stopped.set()
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running and not self.failure:
+        while self.started and self.waiting and len(self.running) < self.max_running and not self.failure:
             job = self.waiting.popleft()
             self.running[job.id] = job
             self.engine.join(job.id, job.sequence)

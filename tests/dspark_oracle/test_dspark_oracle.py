@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.dspark_oracle.conftest import TOOL
 from tests.eagle3.spec_env import run_speculators
+
+pytestmark = pytest.mark.tool_env("speculators")  # installed before the tests start (tests/conftest.py)
 
 PROMPT = [3, 17, 101, 45, 9, 250, 77, 12, 5, 199, 64, 31]
 

@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.eagle3 import TARGET_LAYERS, run_tool
 
+pytestmark = pytest.mark.tool_env("speculators")  # installed before the tests start (tests/conftest.py)
+
 PROMPT = [3, 17, 101, 45, 9, 250, 77, 12, 5, 199, 64, 31]
 
 

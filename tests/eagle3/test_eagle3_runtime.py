@@ -22,6 +22,8 @@ from tests.helpers.drafter_runs import (
     speculative_run,
 )
 
+pytestmark = pytest.mark.tool_env("speculators")  # installed before the tests start (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def plain_tokens(eagle3_target):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +34,19 @@ class ToolEnv:
     def python(self) -> Path:
         return self.directory() / "bin" / "python"
 
+    def ready(self) -> bool:
+        stamp = " ".join(self.requirements + self.without_deps)
+        marker = self.directory() / ".ready"
+        return marker.is_file() and marker.read_text().strip() == stamp and self.python().is_file()
+
     def ensure(self) -> Path:
-        """The interpreter of an environment where `check` runs, installing it if needed."""
+        """The interpreter of an environment where `check` runs, installing it if needed (once per session: a failed
+        install is not tried again)."""
         python, marker = self.python(), self.directory() / ".ready"
         stamp = " ".join(self.requirements + self.without_deps)
-        if marker.is_file() and marker.read_text().strip() == stamp and python.is_file():
+        if self.name in FAILED:
+            raise PeerUnavailable(FAILED[self.name])
+        if self.ready():
             return python
         _run([sys.executable, "-m", "venv", "--clear", str(self.directory())], f"creating {self.directory()}")
         pip = [str(python), "-m", "pip", "install", "--quiet"]
@@ -51,6 +60,26 @@ class ToolEnv:
         _run([str(python), "-c", self.check], f"{self.check} in the {self.name} environment")
         marker.write_text(stamp + "\n")
         return python
+
+
+FAILED: dict[str, str] = {}  # environments whose install failed this session, and the one line saying why
+
+
+def install_before_the_tests(envs: list[ToolEnv], say) -> None:
+    """Install the environments the selected tests need before any of them starts (`say(line)`: progress), so no
+    install runs under a test's timeout; a failure is one line naming the package, and the tests needing it fail
+    with that line."""
+    for env in envs:
+        if env.ready():
+            continue
+        say(f"installing the {env.name} environment ({' '.join(env.requirements)}) for the tests that need it")
+        started = time.monotonic()
+        try:
+            python = env.ensure()
+            say(f"{env.name}: ready in {time.monotonic() - started:.0f} s ({python})")
+        except PeerUnavailable as err:
+            FAILED[env.name] = f"{env.name}: {err}"
+            say(FAILED[env.name])
 
 
 def _run(command: list[str], what: str) -> None:

@@ -26,7 +26,7 @@ from tests.oracles.test_model_parity import relative_error
 from tests.quant.fp8_checkpoint import dequantised_model, write_fp8_checkpoint
 from tests.quant.quant_env import QUANT, TOOL_ENV
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tool_env("quant")]
 GROUP = 16  # columns per scale: every width of the tiny models (48, 64, 96) holds several groups
 IDS = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
 # AutoAWQ's packer needs output widths in multiples of 32 (DeepSeek-V3's own are): MLA sizes that give them

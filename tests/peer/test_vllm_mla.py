@@ -19,7 +19,7 @@ from tests.helpers.families import make_family_checkpoint
 from tests.oracles.test_families_mla import YARN
 from tests.peer.conftest import K
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tool_env("vllm")]
 MAX_TOKENS = 32
 # vLLM's CPU MLA kernels take DeepSeek's own head sizes only (latent 512 + rotary 64); YaRN as DeepSeek-V3
 # configures it. Small elsewhere: hidden 128, two heads.

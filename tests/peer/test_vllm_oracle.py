@@ -29,7 +29,7 @@ from tests.peer.conftest import K, start_or_fail
 from tests.peer.vllm_server import VllmServer, completion_with_counters
 
 # vLLM's start-up (80-100 s on 2 cores) runs inside a test's fixtures; the install runs before the suite.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tool_env("vllm")]
 MAX_TOKENS = 32
 
 

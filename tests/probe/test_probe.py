@@ -16,6 +16,7 @@ import pytest
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.probe.client import acceptance, enable_hint, probe_findings
+from specdoctor.probe.pace import SAFETY, BudgetSpent, Pace
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port, probe
@@ -161,3 +162,60 @@ def test_a_server_that_is_not_openai_compatible_exits_2():
         httpd.shutdown()
     assert result.returncode == 2
     assert "not an OpenAI-compatible server" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+class Throttled:
+    """A server's ranks stopped `stopped_s` out of every `stopped_s + running_s` (SIGSTOP, SIGCONT), as a machine busy
+    with other work leaves them a share of the CPU: its requests take `(stopped_s + running_s) / running_s` times as
+    long, and nothing else changes."""
+
+    def __init__(self, pids: list[int], stopped_s: float = 0.2, running_s: float = 0.1):
+        self.pids, self.stopped_s, self.running_s = pids, stopped_s, running_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.signal(signal.SIGSTOP)
+            self.done.wait(self.stopped_s)
+            self.signal(signal.SIGCONT)
+            self.done.wait(self.running_s)
+
+    def signal(self, signum: int) -> None:
+        for pid in self.pids:
+            os.kill(pid, signum)
+
+    def __enter__(self) -> "Throttled":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.signal(signal.SIGCONT)
+
+
+def test_a_slow_but_healthy_server_is_waited_for_at_its_own_pace(servers):
+    """The healthy server at a third of its speed, and a floor of 1 s a request: requests that take several seconds
+    (the sampling sweep's) get what the server's measured pace needs, and the probe passes."""
+    healthy = servers["healthy"]
+    with Throttled(healthy.rank_pids):
+        result = probe(
+            healthy.url, "--all", "--reference-url", servers["off"].url, "--request-timeout", "1", "--json", "-"
+        )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert json.loads(result.stdout)["verdict"]["healthy"]
+
+
+def test_the_request_timeout_follows_the_measured_pace_inside_the_budget():
+    pace = Pace(floor_s=2.0, budget_s=100.0)
+    assert 99 < pace.timeout(32, 1) <= 100  # nothing measured yet: what is left of the budget
+    pace.observe(seconds=3.3, tokens=32, in_flight=1)  # 0.1 s a token
+    assert pace.timeout(32, 1) == pytest.approx(SAFETY * 0.1 * 33)
+    assert pace.timeout(2, 1) == 2.0  # the floor
+    assert pace.timeout(32, 4) == pytest.approx(4 * SAFETY * 0.1 * 33)  # 4 in flight, seen only alone: 4 times slower
+    pace.observe(seconds=6.6, tokens=32, in_flight=4)  # measured at 4: twice as slow as alone, not four times
+    assert pace.timeout(32, 4) == pytest.approx(SAFETY * 0.2 * 33) and pace.timeout(600, 8) > 99  # capped: the budget
+    pace.deadline = 0
+    with pytest.raises(BudgetSpent):
+        pace.timeout(1, 1)

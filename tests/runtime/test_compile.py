@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,14 +19,17 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.serve import compile_step
+from specdoctor.commands.compile_progress import CompileProgress
+from specdoctor.commands.serve import warm_up_shapes
+from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
-from specdoctor.runtime.compile import compile_layers, measured_once, saved_graphs_dir, warmup_prompts
+from specdoctor.runtime.compile import LayerGraphs, compile_layers, measured_once, saved_graphs_dir
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.warmup import warmup_prompts
 from specdoctor.runtime.worker import fewest_grouped_tokens, grouped_from_key, load_rank
 
 
@@ -36,7 +38,8 @@ def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, floa
     it, as JSON gives them back; top-level ops per decode step; compiled-graph calls; decode steps)."""
     model, _ = load_rank(RuntimeOptions("demo", num_speculative_tokens=3, compile=compile), 0)
     request = GenerateRequest(prompts, 24, num_speculative_tokens=3)
-    decode_batch(model, request)  # with --compile: compiles (or loads) the graphs of this batch's shapes
+    decode_batch(model, request)  # with --compile: asks for the graphs of this batch's shapes (or loads them)
+    model.finish_compiles()
     with profile() as trace:
         result = decode_batch(model, request)
     ops = sum(1 for event in trace.events() if event.cpu_parent is None)
@@ -73,10 +76,16 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 
 
 def compiled_and_eager(module: torch.nn.Module) -> tuple:
-    """(`module.run_layers` through compiled graphs, as it was before)."""
+    """(`module.run_layers` through graphs compiled behind its calls, as it was before)."""
     eager = module.run_layers
-    compile_layers(module)
+    compile_layers(module, BackgroundCompiler())
     return module.run_layers, eager
+
+
+def swap_in(compiled: LayerGraphs) -> None:
+    """Wait for the graphs its calls asked for, then swap them in (a step boundary)."""
+    compiled.background.wait_idle()
+    compiled.background.swap_ready()
 
 
 @pytest.mark.timeout(1500)
@@ -136,7 +145,8 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     assert fewest_grouped_tokens([info]) == grouped_from
     for warmup in warmup_prompts(8, limit, grouped_from):  # as serve's, adaptive: every kind of step
         decode_batch(model, GenerateRequest(warmup, 10, num_speculative_tokens=3, every_step_kind=True))
-    graphs = counters["stats"]["unique_graphs"]
+    model.finish_compiles()
+    graphs, asked = counters["stats"]["unique_graphs"], model.graphs.status.requested
     battery = prompts(9)
     batches = [battery[:rows] for rows in (1, 3, 6)] + [[battery[8]], [battery[0][:1]]]
     batches += [[battery[4][:1]] * 6]  # six one-token prompts at once
@@ -144,7 +154,9 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     requests = [GenerateRequest(batch, 8, num_speculative_tokens=3) for batch in batches]
     requests += [GenerateRequest(batch, 10, num_speculative_tokens=3, every_step_kind=True) for batch in batches]
     compiled = [decode_batch(model, request) for request in requests]
-    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
+    model.finish_compiles()
+    # every pass ran a graph the warm-up had asked for: none asked for another, none traced
+    assert model.graphs.status.requested == asked and counters["stats"]["unique_graphs"] == graphs
     assert [run.cached_tokens for run in compiled[-3:]] == [[32], [16, 16], [16] * 6]
     eager, _ = load_rank(options, 0)
     assert [run.tokens for run in compiled] == [decode_batch(eager, request).tokens for request in requests]
@@ -156,18 +168,23 @@ def test_serve_warms_up_prompts_past_the_gathered_expert_limit_the_ranks_report(
     4 come one-token prompts, then prompts of 17 tokens (past the limit, all but one token in a block) twice each, at
     batch 1 and 2; where the ranks measured the grouped GEMM faster from G tokens, a prompt just past the limit and
     one just past G tokens a batch follow at each."""
-    output = io.StringIO()
     with Engine(RuntimeOptions("demo", pp=2, num_speculative_tokens=3, timeout=60)) as engine:
         assert [info["gathered_token_limit"] for info in engine.rank_info] == [4, 4]
-        compile_step(engine, 4, Console(file=output, width=120))
+        shown, generate = [], engine.generate
+
+        def recorded(prompts, *args, **kwargs):
+            shown.append((len(prompts), len(prompts[0])))
+            return generate(prompts, *args, **kwargs)
+
+        engine.generate = recorded
+        warm_up_shapes(engine, 4, CompileProgress(Console(file=io.StringIO())))
         grouped = engine.grouped_from
-    shown = re.findall(r"batch (\d+), prompts of (\d+) tokens", output.getvalue())
     expected = [(1, 2), (2, 2), (4, 2), (1, 1), (2, 1)]
     for batch in (1, 2):
         expected += [(batch, 17), (batch, 17)]
         if grouped:  # past 4 tokens, and past G tokens, a batch
             expected += [(batch, tokens) for tokens in sorted({4 // batch + 1, grouped // batch + 1} - {17})]
-    assert [tuple(map(int, task)) for task in shown] == expected
+    assert shown == expected
 
 
 class BreaksTheGraph(torch.nn.Module):
@@ -183,13 +200,15 @@ class BreaksTheGraph(torch.nn.Module):
         return self.proj(x).tanh()
 
 
-def test_layers_that_break_the_graph_run_through_plain_torch_compile_and_save_nothing(cache_dir):
+def test_layers_that_break_the_graph_run_eager_with_a_warning_and_save_nothing(cache_dir):
     compiled, eager = compiled_and_eager(BreaksTheGraph())
-    graphs_before = counters["stats"]["unique_graphs"]
     for batch in (1, 2, 3):
         x = torch.randn(batch, 4, 16)
         torch.testing.assert_close(compiled(x), eager(x))
-    assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two halves around the break
+        swap_in(compiled)
+    status = compiled.background.status
+    assert compiled.runs_eager and not compiled.active and status.compiled == 0
+    assert [warning for warning in status.warnings if "break the graph" in warning], status.warnings
     assert not list(cache_dir.rglob("*.graph"))
 
 
@@ -209,13 +228,17 @@ def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_par
     module = WithAConstant()
     compiled, eager = compiled_and_eager(module)
     x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(compiled(x), eager(x))  # eager, and asks for a graph
+    swap_in(compiled)
+    torch.testing.assert_close(compiled(x), eager(x))  # the graph
+    module.taps = (1, 2)  # the first graph's guard on the constant fails: eager, and a second graph asked for
     torch.testing.assert_close(compiled(x), eager(x))
-    module.taps = (1, 2)  # the first graph's guard on the constant fails: a second graph, with the new constant
-    torch.testing.assert_close(compiled(x), eager(x))
+    swap_in(compiled)
     other = torch.randn(4, 5, 16)
-    torch.testing.assert_close(compiled(other), eager(other))  # other sizes: the second graph again
-    graphs = compiled.graphs
+    torch.testing.assert_close(compiled(other), eager(other))  # other sizes: the second graph
+    graphs = compiled.active
     assert len(graphs) == 2 and len(list(cache_dir.rglob("*.graph"))) == 2
+    assert compiled.last_for_shapes[((4, 5, 16),)] is graphs[1]
     for graph in graphs:
         guards = graph._artifacts.guard_manager.code_parts
         assert any("taps" in line for line in guards) and any("L['x']" in line for line in guards), guards
@@ -240,7 +263,8 @@ def test_a_graph_traced_with_one_tensor_under_two_names_refuses_a_module_where_t
     compiled, eager = compiled_and_eager(tied)
     x = torch.randn(2, 3, 16)
     torch.testing.assert_close(compiled(x), eager(x))
-    (graph,) = compiled.graphs  # through AOT compile: saved
+    swap_in(compiled)
+    (graph,) = compiled.active  # through AOT compile: saved
     untied = TiedLayers(tied=False)
     untied.load_state_dict(tied.state_dict())  # the same values, in two tensors
     assert graph.guard_check(tied, x) and not graph.guard_check(untied, x)

@@ -222,12 +222,14 @@ def decode_batch(model: RankModel, request: GenerateRequest, on_step=None) -> Ge
     state = BatchState(model, request.sequences(), request.num_speculative_tokens, sampled_drafts)
     times = dict.fromkeys(STEP_PHASES, 0.0)
     started = time.perf_counter()
+    model.swap_ready()
     state.prefill()
     if on_step:
         on_step(state.result)
     times["prefill_s"] = time.perf_counter() - started
     transfer_before, draft_before = model.comm.seconds, state.drafts.seconds if state.drafts else 0.0
     while any(state.active):
+        model.swap_ready()  # a step boundary: graphs compiled meanwhile run from this step on
         step_start = time.perf_counter()
         # serve's warm-up: steps 0-3 speculate and propose, speculate and fill, fill plainly, propose plainly
         state.step(not request.every_step_kind or times["steps"] % 4 in (0, 3))

@@ -136,6 +136,7 @@ def run_continuous(
         messages, propose_next = model.comm.broadcast_command(command)
         if any(kind == SHUTDOWN for kind, _ in messages):
             return
+        model.swap_ready()  # a step boundary: graphs compiled meanwhile run from this step on
         running.apply(messages)
         news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
         running.step(propose_next)

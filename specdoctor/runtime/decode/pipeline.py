@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -34,6 +35,22 @@ class RankModel:
     kind: DrafterKind | None = None  # the pipeline's kind of drafter, on every rank; None: none
     faults: Faults = field(default_factory=Faults)  # the engine faults reproduced (--fault)
     prefix_store: PrefixStore | None = None  # prefix caching's blocks, kept across batches (serve)
+    graphs: BackgroundCompiler | None = None  # --compile: the graphs compiled behind the passes
+
+    def swap_ready(self) -> None:
+        """A step boundary: swap in the graphs compiled since the last (every rank calls it at the same steps)."""
+        if self.graphs is not None:
+            self.graphs.swap_ready()
+
+    def finish_compiles(self, beat=lambda: None) -> None:
+        """Wait for every graph asked for so far and swap them in (`bench`, the tests): the ranks of the pipeline
+        together, a peer still compiling waited for, not timed out. `beat()` about once a second while waiting."""
+        if self.graphs is None:
+            return
+        with self.comm.working("compiling"):
+            self.graphs.wait_idle(beat)
+        self.comm.wait_for_peers("to finish compiling")
+        self.graphs.swap_ready()
 
     @property
     def speculates(self) -> bool:

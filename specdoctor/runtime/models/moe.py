@@ -118,14 +118,23 @@ class MoE(FusedWeights):
         host (so a compiled pass must stay under it); None: any number."""
         return None if self.every_expert_fits() else self.gathered_token_limit()
 
+    def path(self, tokens: int) -> str:
+        """How a pass of `tokens` tokens runs the routed experts (a compiled graph holds one path per layer)."""
+        if not self.packed and tokens <= self.gathered_token_limit():
+            return "gathered"
+        if self.grouped_from is not None and tokens >= self.grouped_from:
+            return "grouped"
+        return "every" if self.every_expert_fits() else "looped"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         flat = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.gate(flat)
-        if not self.packed and flat.shape[0] <= self.gathered_token_limit():
+        path = self.path(flat.shape[0])
+        if path == "gathered":
             out = self.gathered_experts(flat, weights, expert_ids)
-        elif self.grouped_from is not None and flat.shape[0] >= self.grouped_from:
+        elif path == "grouped":
             out = self.grouped_experts(flat, weights, expert_ids)
-        elif self.every_expert_fits():
+        elif path == "every":
             out = self.every_expert(flat, weights, expert_ids)
         else:
             out = self.looped_experts(flat, weights, expert_ids)
