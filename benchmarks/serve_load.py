@@ -45,8 +45,10 @@ from tests.helpers.tool_env import PeerUnavailable
 from tests.peer.vllm_server import VllmServer
 
 K = 3
+COMPILE_TIMEOUT_S = 3600
 BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 SERVE_DEFAULTS = ("--num-speculative-tokens", str(K), "--adaptive-speculation")
+ALWAYS_SPECULATE = ("--num-speculative-tokens", str(K), "--always-speculate")
 PLAIN_PAST_4_ROWS = [(1, 4, K), (5, 1024, 0)]  # vLLM's dynamic speculation: k by the batch's rows
 CPU_COLUMNS = {  # column: row key
     "front CPU s/1k tok": "front_cpu_s_per_1k_tokens",
@@ -152,13 +154,11 @@ def servers() -> list[tuple[str, Callable]]:
     return [
         # The defaults, compiled and adaptive (the test helper's are eager and always speculating: named here);
         # minutes from a cold cache.
-        ("specdoctor serve", lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--compile", start_timeout_s=900)),
+        ("specdoctor serve", lambda: compiled(*SERVE_DEFAULTS)),
         ("specdoctor serve --no-compile", lambda: SpecdoctorServer(*SERVE_DEFAULTS, "--no-compile")),
         (
             "specdoctor serve --always-speculate",
-            lambda: SpecdoctorServer(
-                "--num-speculative-tokens", str(K), "--compile", "--always-speculate", start_timeout_s=900
-            ),
+            lambda: compiled("--num-speculative-tokens", str(K), "--always-speculate"),
         ),
         ("vLLM (CPU defaults)", lambda: VllmServer(DEMO_DIR, K)),
         ("vLLM (both cores)", lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES)),
@@ -167,6 +167,13 @@ def servers() -> list[tuple[str, Callable]]:
             lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES, schedule=PLAIN_PAST_4_ROWS),
         ),
     ]
+
+
+def compiled(*flags: str) -> SpecdoctorServer:
+    """`serve --compile`, measured once its graphs, compiled behind serving, are all in (minutes from a cold cache)."""
+    server = SpecdoctorServer(*flags, "--compile")
+    server.wait_for_graphs(COMPILE_TIMEOUT_S)
+    return server
 
 
 def on_each_server(run: Callable[[str, int], list[dict]]) -> list[dict]:
@@ -183,11 +190,14 @@ def on_each_server(run: Callable[[str, int], list[dict]]) -> list[dict]:
 
 
 @contextlib.contextmanager
-def all_servers() -> Iterator[list[tuple[str, object]]]:
-    """Every one of `servers()` started, (name, server) in order; all stopped on leaving."""
+def all_servers(names: list[str] | None = None) -> Iterator[list[tuple[str, object]]]:
+    """Every one of `servers()` (those named in `names`, where given) started, (name, server) in order; all stopped on
+    leaving."""
     started = []
     try:
         for name, start in servers():
+            if names and name not in names:
+                continue
             try:
                 server = start()
             except PeerUnavailable as failed:  # vLLM's CPU worker now and then dies compiling at start-up
@@ -217,7 +227,7 @@ def medians(rows: list[dict]) -> list[dict]:
     """Per server and streams (in the servers' order), the median of each figure over the repeats, and the range of
     tokens/s."""
     summary = []
-    for name, _ in servers():
+    for name in dict.fromkeys(row["server"] for row in rows):
         for streams in sorted({row["streams"] for row in rows}):
             runs = [row for row in rows if row["server"] == name and row["streams"] == streams]
             figures = [key for key, value in runs[0].items() if isinstance(value, float)]
@@ -251,9 +261,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each load on each server, interleaved")
     parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
+    parser.add_argument("--servers", nargs="+", help="only these servers, by name (default: all)")
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    with all_servers() as started:
+    with all_servers(args.servers) as started:
         rows = interleaved(started, args, prompts)
     summary = medians(rows)
     table = numeric_table(
@@ -275,8 +286,8 @@ def main() -> None:
     console = Console(width=220)
     console.print(table)
     for streams in args.streams:
-        for ours, _ in servers():
-            if ours.startswith("specdoctor"):
+        for ours in dict.fromkeys(row["server"] for row in rows):
+            if ours.startswith("specdoctor") and any(row["server"].startswith("vLLM") for row in rows):
                 best, ratio, low, high = against_vllm(rows, summary, streams, ours)
                 console.print(
                     f"{streams} streams: {ours} / best vLLM ({best}) = {ratio:.2f}x (one repeat: {low:.2f}–{high:.2f}x)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 # Triton kernels run on the CPU through the interpreter; decided when a kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.models.glm4_moe import MtpLayer
 from specdoctor.runtime.models.registry import read_config
 
@@ -102,6 +104,14 @@ def hf_checkpoint(tmp_path_factory):
     return path, make_hf_checkpoint(path)
 
 
+@pytest.fixture
+def compile_cache(tmp_path, monkeypatch) -> Path:
+    """An empty compile cache of the test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_layers sets it; restored after
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def shared_compile_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("compile-cache")
@@ -114,3 +124,17 @@ def demo_compile_cache(shared_compile_cache, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(shared_compile_cache))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # compile_layers sets it; restored after
     return shared_compile_cache
+
+
+@pytest.fixture
+def gated_compiles(monkeypatch):
+    """The compile threads' jobs wait for this event: the test says when graphs may arrive (never, unless it sets
+    it: every pass then runs eager and asks for its graph)."""
+    gate, run_job = threading.Event(), LayerGraphs.run_job
+
+    def held(self, job):
+        gate.wait()
+        return run_job(self, job)
+
+    monkeypatch.setattr(LayerGraphs, "run_job", held)
+    return gate

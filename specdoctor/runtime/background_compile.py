@@ -30,7 +30,7 @@ import torch.distributed as dist
 from specdoctor.runtime.compile_status import CompileStatus
 
 # A shape class (`LayerGraphs.shape_key`) asked for again once its graph was swapped in and still did not take a pass (a
-# guard on a size the class leaves open, such as the MoE path a pass of that many tokens takes): at most this often.
+# guard the class leaves open): at most this often. An ask that a graph already takes costs the thread a guard check.
 ATTEMPTS_PER_SHAPE = 4
 # The compile thread yields the CPU to serving: its own and its compilers' processes run at this niceness.
 COMPILE_NICENESS = 10
@@ -78,9 +78,8 @@ class BackgroundCompiler:
         number, attempts = graphs.requests.get(key, (None, 0))
         if number is not None and number >= self.agreed:
             return  # queued or compiling, or finished on this rank but not yet on every one of its stage
-        if attempts >= ATTEMPTS_PER_SHAPE or graphs.asked >= graphs.limit:
+        if attempts >= ATTEMPTS_PER_SHAPE:
             return
-        graphs.asked += 1
         graphs.requests[key] = (self._queue(graphs, frozen(args)), attempts + 1)
 
     def swap_ready(self) -> None:
@@ -153,29 +152,30 @@ class BackgroundCompiler:
 def shape_class(args) -> tuple:
     """What decides which graph a pass needs, roughly, as Dynamo sizes a trace: each tensor's dtype and sizes (0 and 1
     as they are; any other size by which of the distinct sizes seen it is, since a graph takes any size of 2 or more
-    but assumes two sizes that were equal when traced stay equal), the constants, and the other inputs' types, the
-    tensors they hold included (a cache's planned mask carries the pass's span)."""
+    but assumes two sizes that were equal when traced stay equal), the constants passed, and the other inputs' types
+    and the tensors they hold (a cache's planned mask carries the pass's span), not their numbers (a cache's length:
+    its buffers' sizes say what a graph reads of it)."""
     sizes: dict[int, str] = {}
     seen: set[int] = set()
 
     def size(n: int) -> int | str:
         return n if n < 2 else sizes.setdefault(n, f"s{len(sizes)}")
 
-    def walk(value):
+    def walk(value, constants: bool):
         if isinstance(value, torch.Tensor):
             return str(value.dtype), tuple(size(n) for n in value.shape)
         if isinstance(value, (tuple, list)):
-            return tuple(walk(item) for item in value)
+            return tuple(walk(item, constants) for item in value)
         if isinstance(value, dict):
-            return tuple((key, walk(item)) for key, item in value.items())
+            return tuple((key, walk(item, constants)) for key, item in value.items())
         if value is None or isinstance(value, (bool, int, float, str)):
-            return value
+            return value if constants else type(value).__name__
         if hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module) and id(value) not in seen:
             seen.add(id(value))
-            return type(value).__qualname__, walk(vars(value))
+            return type(value).__qualname__, walk(vars(value), constants=False)
         return type(value).__qualname__
 
-    return walk(args)
+    return walk(args, constants=True)
 
 
 def frozen(value, memo: dict | None = None):

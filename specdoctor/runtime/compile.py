@@ -50,7 +50,7 @@ from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS
 # that, a pass is a prompt's.
 DECODE_POSITIONS = MAX_SPECULATIVE_TOKENS + 1
 # Graphs a rank may need, per compiled module: batch, positions and cache span each 1 or larger, times each MoE
-# path; past as many compiles in one process a module runs eager.
+# path; past as many, a module's passes of shapes no graph takes run eager.
 RECOMPILE_LIMIT = 32
 
 
@@ -120,10 +120,8 @@ class LayerGraphs:
         # the graph (their passes stay eager once it is swapped in).
         self.graphs: list[tuple[int, object]] = []
         self.breaks_at: int | None = None
-        self.runs_eager = False
-        # The serving thread's: the job asked for each shape class and how often; jobs asked in all, at most `limit`.
-        self.requests: dict = {}
-        self.asked, self.limit = 0, RECOMPILE_LIMIT
+        self.runs_eager, self.full = False, False
+        self.requests: dict = {}  # the serving thread's: the job asked for each shape class, and how often
         compiler.add(self)
 
     def __call__(self, *args):
@@ -175,6 +173,10 @@ class LayerGraphs:
         graphs = list(self.graphs)
         if self.breaks_at is not None or any(graph.guard_check(self.module, *job.args) for _, graph in graphs):
             return JobOutcome()
+        if len(graphs) >= RECOMPILE_LIMIT:  # said once: the thread skips the asks after it
+            said, self.full = self.full, True
+            warning = f"{self.name}: {RECOMPILE_LIMIT} graphs, no more: passes no graph takes run eager"
+            return JobOutcome(warning=None if said else warning)
         try:
             with torch._dynamo.config.patch(specialize_float=True):  # floats as constants: one trace, no restart
                 graph = self.compiler.aot_compile((job.args, {}))

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
+from specdoctor.runtime.compile_status import compile_totals
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
@@ -101,6 +102,10 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
     async def health():
         alive = state.engine.alive
         body = {"status": "ok" if alive else "unhealthy", "rank_pids": state.engine.rank_pids}
+        if state.engine.options.compile:  # the graphs compiled behind serving
+            totals = compile_totals(state.engine.compile_status)
+            graphs = {"active": totals["active"], "pending": totals["pending"], "warming_up": not scheduler.started}
+            body["graphs"] = graphs
         return JSONResponse(body, 200 if alive else 503)
 
     @app.get("/metrics")

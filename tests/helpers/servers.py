@@ -29,8 +29,11 @@ class SpecdoctorServer:
         if not {"--adaptive-speculation", "--always-speculate"} & set(args):
             args = ("--always-speculate", *args)  # unless asked: counters that follow each request, not the load
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", model, "--port", str(self.port), *args]
+        inherited = dict(os.environ)
+        if env and "XDG_CACHE_HOME" in env:  # a compile cache of its own: not one a test process left set
+            inherited.pop("TORCHINDUCTOR_CACHE_DIR", None)
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**inherited, **(env or {})}
         )
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:
@@ -46,6 +49,19 @@ class SpecdoctorServer:
             self.process.send_signal(signal.SIGTERM)  # it stops its ranks, then its output can be read
         output = self.process.communicate(timeout=60)
         raise AssertionError(f"server did not answer /health with 200 within {start_timeout_s:g} s: {output}")
+
+    def wait_for_graphs(self, timeout_s: float) -> dict:
+        """Until /health says the warm-up ran and no graph is pending (`serve --compile` compiles behind serving);
+        its `graphs` then."""
+        from tests.helpers.waiting import wait_for
+
+        return wait_for(
+            lambda: httpx.get(f"{self.url}/health", timeout=30).json()["graphs"],
+            lambda graphs: not graphs["warming_up"] and not graphs["pending"],
+            timeout_s,
+            "every graph to compile behind serving",
+            interval_s=1.0,
+        )
 
     def stop(self) -> None:
         if self.process.poll() is None:

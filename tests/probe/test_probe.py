@@ -196,12 +196,14 @@ class Throttled:
 
 
 def test_a_slow_but_healthy_server_is_waited_for_at_its_own_pace(servers):
-    """The healthy server at a third of its speed, and a floor of 1 s a request: requests that take several seconds
-    (the sampling sweep's) get what the server's measured pace needs, and the probe passes."""
+    """The healthy server at half its speed, and a floor of 1 s a request: requests that take several seconds
+    (the sampling sweep's) get what the server's measured pace needs, and every sweep passes (smaller ones than the
+    defaults: it is the timeouts that are tested)."""
     healthy = servers["healthy"]
-    with Throttled(healthy.rank_pids):
+    with Throttled(healthy.rank_pids, stopped_s=0.1, running_s=0.1):
+        args = ("--all", "--context-lengths", "128,512", "--concurrency", "1,4", "--sampling", "300")
         result = probe(
-            healthy.url, "--all", "--reference-url", servers["off"].url, "--request-timeout", "1", "--json", "-"
+            healthy.url, *args, "--reference-url", servers["off"].url, "--request-timeout", "1", "--json", "-"
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     assert json.loads(result.stdout)["verdict"]["healthy"]

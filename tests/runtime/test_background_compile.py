@@ -27,19 +27,6 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 
 
-@pytest.fixture
-def gated_compiles(monkeypatch):
-    """The compile threads' jobs wait for this event: the test says when graphs may arrive."""
-    gate, run_job = threading.Event(), LayerGraphs.run_job
-
-    def held(self, job):
-        gate.wait()
-        return run_job(self, job)
-
-    monkeypatch.setattr(LayerGraphs, "run_job", held)
-    return gate
-
-
 def swapping_in_at_step(model, gate: threading.Event, step: int) -> tuple:
     """An `on_step` that lets the graphs in after `step` steps (the next step boundary swaps them in), and the list of
     how many graphs were active at each step."""
@@ -84,7 +71,7 @@ class Toy(torch.nn.Module):
         return self.proj(x).tanh()
 
 
-def test_a_shape_class_is_asked_for_once_while_its_graph_is_on_its_way(gated_compiles):
+def test_a_shape_class_is_asked_for_once_while_its_graph_is_on_its_way(gated_compiles, compile_cache):
     """Decode steps grow the cache span every step: one ask for their class, not one per span."""
     module = Toy()
     compiler = BackgroundCompiler()

@@ -57,6 +57,8 @@ def test_a_compile_killed_halfway_leaves_its_passes_eager_and_the_cache_whole(tm
     try:
         expected = text(server.url)  # at once, eager: nothing is compiled yet
         assert compile_gauges(server.url)["active"] == 0
+        health = httpx.get(f"{server.url}/health", timeout=10).json()["graphs"]
+        assert not health["warming_up"] and health["active"] == 0 and health["pending"] > 0
         deadline = time.monotonic() + 300
         while not compile_gauges(server.url)["failed"]:  # the rank's compiler killed until a compile fails
             assert time.monotonic() < deadline, "no compile failed"
