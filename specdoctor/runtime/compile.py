@@ -39,6 +39,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from specdoctor import kernels
 from specdoctor.runtime import tensor_parallel
@@ -178,7 +179,9 @@ class LayerGraphs:
             warning = f"{self.name}: {RECOMPILE_LIMIT} graphs, no more: passes no graph takes run eager"
             return JobOutcome(warning=None if said else warning)
         try:
-            with torch._dynamo.config.patch(specialize_float=True):  # floats as constants: one trace, no restart
+            # floats as constants: one trace, no restart; sizes that happen to be equal (a batch of 2 and 2 KV heads,
+            # a prompt pass's length and its span) kept apart, so a graph does not take them as one
+            with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
                 graph = self.compiler.aot_compile((job.args, {}))
         except torch._dynamo.exc.Unsupported as err:  # AOT compile needs one whole graph
             self.breaks_at = job.number
