@@ -1,7 +1,7 @@
 """Serving under load: `specdoctor serve` against vLLM 0.32's CPU server, the same load, side by side.
 
     python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--repeats 3]
-        [--json runs/serve_load.json]
+        [--json runs/serve_load.json] [--servers NAME ...] [--baseline-checkout DIR]
 
 The demo model, fp32, PP 1, greedy, MTP with k 3 on every server (`serve` with its adaptive speculation, and once
 speculating every step). Every server is started first (an idle one takes no measurable CPU; start the compiled ones
@@ -18,7 +18,8 @@ medians, and its range over the repeats (each repeat's `serve` run against its b
 with its CPU defaults (compute bound to one core, the other reserved), with both cores
 (`VLLM_CPU_OMP_THREADS_BIND=0-1`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), and with both cores and its dynamic speculation
 set to k 0 past 4 rows (`num_speculative_tokens_per_batch_size`; at k 0 it still runs the drafter's first pass to
-keep its cache).
+keep its cache). `--baseline-checkout DIR` adds `serve` with its defaults run from another source tree (a
+`git worktree` of an earlier commit): a change's throughput against the code before it, in the same interleaved run.
 """
 
 from __future__ import annotations
@@ -148,9 +149,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
-def servers() -> list[tuple[str, Callable]]:
+def servers(baseline: Path | None = None) -> list[tuple[str, Callable]]:
     """(name, start) of each server compared: `serve` compiled and eager, and compiled speculating every step; vLLM
-    with its CPU defaults, both cores, and both cores with k 0 past 4 rows."""
+    with its CPU defaults, both cores, and both cores with k 0 past 4 rows; `serve` from `baseline`, where given."""
+    earlier = []
+    if baseline:
+        earlier = [(f"specdoctor serve at {baseline.name}", lambda: compiled(*SERVE_DEFAULTS, checkout=baseline))]
     return [
         # The defaults, compiled and adaptive (the test helper's are eager and always speculating: named here);
         # minutes from a cold cache.
@@ -166,13 +170,15 @@ def servers() -> list[tuple[str, Callable]]:
             "vLLM (both cores, k 0 past 4 rows)",
             lambda: VllmServer(DEMO_DIR, K, extra_env=BOTH_CORES, schedule=PLAIN_PAST_4_ROWS),
         ),
-    ]
+    ] + earlier
 
 
-def compiled(*flags: str) -> SpecdoctorServer:
-    """`serve --compile`, measured once its graphs, compiled behind serving, are all in (minutes from a cold cache)."""
-    server = SpecdoctorServer(*flags, "--compile")
-    server.wait_for_graphs(COMPILE_TIMEOUT_S)
+def compiled(*flags: str, checkout: Path | None = None) -> SpecdoctorServer:
+    """`serve --compile`, measured once its graphs, compiled behind serving, are all in (minutes from a cold cache;
+    a checkout from before compiling behind serving compiles before it answers /health)."""
+    server = SpecdoctorServer(*flags, "--compile", checkout=checkout, start_timeout_s=COMPILE_TIMEOUT_S)
+    if "graphs" in httpx.get(f"{server.url}/health", timeout=30).json():
+        server.wait_for_graphs(COMPILE_TIMEOUT_S)
     return server
 
 
@@ -190,12 +196,12 @@ def on_each_server(run: Callable[[str, int], list[dict]]) -> list[dict]:
 
 
 @contextlib.contextmanager
-def all_servers(names: list[str] | None = None) -> Iterator[list[tuple[str, object]]]:
-    """Every one of `servers()` (those named in `names`, where given) started, (name, server) in order; all stopped on
-    leaving."""
+def all_servers(names: list[str] | None = None, baseline: Path | None = None) -> Iterator[list[tuple[str, object]]]:
+    """Every one of `servers(baseline)` (those named in `names`, where given) started, (name, server) in order; all
+    stopped on leaving."""
     started = []
     try:
-        for name, start in servers():
+        for name, start in servers(baseline):
             if names and name not in names:
                 continue
             try:
@@ -262,9 +268,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each load on each server, interleaved")
     parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
     parser.add_argument("--servers", nargs="+", help="only these servers, by name (default: all)")
+    parser.add_argument("--baseline-checkout", type=Path, help="also `serve` run from this source tree")
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
-    with all_servers(args.servers) as started:
+    with all_servers(args.servers, args.baseline_checkout) as started:
         rows = interleaved(started, args, prompts)
     summary = medians(rows)
     table = numeric_table(
@@ -293,7 +300,7 @@ def main() -> None:
                     f"{streams} streams: {ours} / best vLLM ({best}) = {ratio:.2f}x (one repeat: {low:.2f}–{high:.2f}x)"
                 )
     console.print(f"machine: {machine()}")
-    settings = {**vars(args), "json": str(args.json)}
+    settings = {**vars(args), "json": str(args.json), "baseline_checkout": str(args.baseline_checkout)}
     write_json(args.json, {"settings": settings, "machine": machine(), "runs": rows, "summary": summary})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 # Triton kernels run on the CPU through the interpreter; decided when a kernel module is imported.
@@ -94,7 +95,14 @@ def pytest_collection_modifyitems(config, items):
 
     names = sorted({marker.args[0] for item in items for marker in item.iter_markers("tool_env")})
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    install_before_the_tests([TOOL_ENVS[name] for name in names], lambda line: reporter.write_line(line))
+    worker = getattr(config, "workerinput", {}).get("workerid")  # pytest-xdist's: every worker collects
+    if worker or reporter is None:  # a worker's stderr is the terminal's; its reporter's output is dropped
+
+        def say(line):
+            print(f"[{worker}] {line}" if worker else line, file=sys.stderr, flush=True)
+    else:
+        say = reporter.write_line
+    install_before_the_tests([TOOL_ENVS[name] for name in names], say)
 
 
 @pytest.fixture(scope="session")

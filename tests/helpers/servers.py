@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -21,7 +22,15 @@ def free_port() -> int:
 class SpecdoctorServer:
     """`specdoctor serve ARGS` on a free port, up once /health answers 200."""
 
-    def __init__(self, *args: str, model: str = "demo", start_timeout_s: float = 120, env: dict | None = None):
+    def __init__(
+        self,
+        *args: str,
+        model: str = "demo",
+        start_timeout_s: float = 120,
+        env: dict | None = None,
+        checkout: Path | None = None,
+    ):
+        """`checkout`: run the specdoctor of that source tree (another commit's, for a benchmark's baseline)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if not {"--compile", "--no-compile", "--enforce-eager"} & set(args):
@@ -33,7 +42,12 @@ class SpecdoctorServer:
         if env and "XDG_CACHE_HOME" in env:  # a compile cache of its own: not one a test process left set
             inherited.pop("TORCHINDUCTOR_CACHE_DIR", None)
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**inherited, **(env or {})}
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**inherited, **(env or {})},
+            cwd=checkout,  # `-m` puts the working directory first on the path: its package wins
         )
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:

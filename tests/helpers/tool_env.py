@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 1500
 
@@ -41,13 +43,18 @@ class ToolEnv:
 
     def ensure(self) -> Path:
         """The interpreter of an environment where `check` runs, installing it if needed (once per session: a failed
-        install is not tried again)."""
-        python, marker = self.python(), self.directory() / ".ready"
-        stamp = " ".join(self.requirements + self.without_deps)
+        install is not tried again). One process installs at a time (the test run's workers all ask for it)."""
         if self.name in FAILED:
             raise PeerUnavailable(FAILED[self.name])
         if self.ready():
-            return python
+            return self.python()
+        self.directory().parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(self.directory().with_name(f".{self.name}.lock")):
+            return self.python() if self.ready() else self.install()
+
+    def install(self) -> Path:
+        python, marker = self.python(), self.directory() / ".ready"
+        stamp = " ".join(self.requirements + self.without_deps)
         _run([sys.executable, "-m", "venv", "--clear", str(self.directory())], f"creating {self.directory()}")
         pip = [str(python), "-m", "pip", "install", "--quiet"]
         _run(pip + list(self.requirements), f"pip install {' '.join(self.requirements)}")
