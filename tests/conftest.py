@@ -93,6 +93,10 @@ def pytest_collection_modifyitems(config, items):
     from tests.helpers.tool_env import install_before_the_tests
     from tests.helpers.tool_envs import TOOL_ENVS
 
+    # The files with the long tests first (a slow test's, or an oracle tool's servers), so that the two test
+    # processes do not end with one of them alone on the longest file (CI's tail was 6 minutes of one process).
+    long_files = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("tool_env")}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: each file's own order kept
     names = sorted({marker.args[0] for item in items for marker in item.iter_markers("tool_env")})
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     worker = getattr(config, "workerinput", {}).get("workerid")  # pytest-xdist's: every worker collects
