@@ -36,10 +36,13 @@ class ToolEnv:
     def python(self) -> Path:
         return self.directory() / "bin" / "python"
 
+    def stamp(self) -> str:
+        """What the `.ready` marker holds: the requirements it was installed with."""
+        return " ".join(self.requirements + self.without_deps)
+
     def ready(self) -> bool:
-        stamp = " ".join(self.requirements + self.without_deps)
         marker = self.directory() / ".ready"
-        return marker.is_file() and marker.read_text().strip() == stamp and self.python().is_file()
+        return marker.is_file() and marker.read_text().strip() == self.stamp() and self.python().is_file()
 
     def ensure(self) -> Path:
         """The interpreter of an environment where `check` runs, installing it if needed (once per session: a failed
@@ -54,7 +57,6 @@ class ToolEnv:
 
     def install(self) -> Path:
         python, marker = self.python(), self.directory() / ".ready"
-        stamp = " ".join(self.requirements + self.without_deps)
         _run([sys.executable, "-m", "venv", "--clear", str(self.directory())], f"creating {self.directory()}")
         pip = [str(python), "-m", "pip", "install", "--quiet"]
         _run(pip + list(self.requirements), f"pip install {' '.join(self.requirements)}")
@@ -65,7 +67,7 @@ class ToolEnv:
                 [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *self.remove], capture_output=True
             )
         _run([str(python), "-c", self.check], f"{self.check} in the {self.name} environment")
-        marker.write_text(stamp + "\n")
+        marker.write_text(self.stamp() + "\n")
         return python
 
 
