@@ -18,8 +18,8 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from benchmarks.common import machine, write_json
+from specdoctor.errors import PipelineError
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
-from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.demo_corpus import held_out_prompts

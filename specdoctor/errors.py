@@ -7,3 +7,7 @@ class SpecdoctorError(Exception):
 
 class CheckpointError(SpecdoctorError):
     """A checkpoint directory, index, shard or tensor that cannot be used as given."""
+
+
+class PipelineError(SpecdoctorError):
+    """A pipeline rank died, hung past the timeout, or failed."""

@@ -7,9 +7,9 @@ from collections import Counter
 
 from specdoctor.report import Finding
 from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
-from specdoctor.runtime.checkpoint.quantization import ignored_by_config
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.mtp import expected_mtp_keys
+from specdoctor.runtime.quantization import ignored_by_config
 
 # Float weights the formats leave unquantised by design (embeddings, heads, norms, the MoE router).
 NEVER_QUANTISED = ("embed_tokens", "lm_head", "shared_head.head", "norm", "mlp.gate.", "e_score_correction_bias")

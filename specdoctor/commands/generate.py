@@ -39,7 +39,7 @@ def generate(
 ) -> None:
     """Generate text with the pipeline runtime; print it with the acceptance metrics."""
     from specdoctor.runtime.checkpoint.tokenizer import read_prompt_file
-    from specdoctor.runtime.decode.sampling import SamplingParams
+    from specdoctor.runtime.sampling import SamplingParams
 
     prompts = list(prompt or []) + (read_prompt_file(prompts_file) if prompts_file else [])
     sampling = SamplingParams(temperature, top_k, top_p, seed)

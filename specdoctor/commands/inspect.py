@@ -111,7 +111,7 @@ def tp_findings(config, tp: int) -> list:
     """At --tp > 1, what vLLM refuses of this model's split (check and every runtime command refuse it too)."""
     from specdoctor.errors import SpecdoctorError
     from specdoctor.report import Finding
-    from specdoctor.runtime.tensor_parallel import refusal
+    from specdoctor.runtime.refusals import refusal
 
     if tp < 1:
         raise SpecdoctorError(f"--tensor-parallel-size must be at least 1, got {tp}")

@@ -14,14 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specdoctor.errors import SpecdoctorError
+from specdoctor.errors import PipelineError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.liveness import Liveness, PeerStuck
 from specdoctor.runtime.tensor_parallel import TensorParallel
-
-
-class PipelineError(SpecdoctorError):
-    """A pipeline rank died, hung past the timeout, or failed."""
 
 
 class PipelineComm:

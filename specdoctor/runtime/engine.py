@@ -17,10 +17,9 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from specdoctor.errors import SpecdoctorError
+from specdoctor.errors import PipelineError, SpecdoctorError
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import model_eos_token_ids
-from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.compile_status import CompileStatus
 from specdoctor.runtime.decode.continuous import CANCEL, JOIN, RowUpdate
 from specdoctor.runtime.decode.requests import (
@@ -31,15 +30,15 @@ from specdoctor.runtime.decode.requests import (
     validate_sequences,
     validate_speculative_tokens,
 )
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.drafter.kinds import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.measure import DrafterState
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.launch import free_port, kill_descendants, process_state, rank_context, stop_signals_held
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.refusals import runtime_refusal
+from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.tap_probe import TapReading
-from specdoctor.runtime.tensor_parallel import runtime_refusal
 from specdoctor.runtime.worker import fewest_grouped_tokens, rank_main
 
 # What a failing rank reports: its own failure, or a failure talking to a peer (a consequence).

@@ -26,7 +26,8 @@ from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions
 from specdoctor.runtime.partition import Placement
-from specdoctor.runtime.tensor_parallel import TensorParallel, acting_as, local_config
+from specdoctor.runtime.sharding import local_config
+from specdoctor.runtime.tensor_parallel import TensorParallel, acting_as
 
 # An idle rank with torch and the runtime imported (220 MiB measured on x86_64, torch 2.13.0+cpu), with room.
 PROCESS_BYTES = 320 << 20

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from specdoctor.errors import SpecdoctorError
+from specdoctor.errors import PipelineError, SpecdoctorError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.comm import PipelineComm, PipelineError
+from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.compile import compile_layers, measured_once
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.continuous import run_continuous
@@ -40,6 +40,7 @@ from specdoctor.runtime.launch import kill_descendants
 from specdoctor.runtime.models.moe import MoE, measure_grouped_from
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.refusals import runtime_refusal
 from specdoctor.runtime.tap_probe import probe_taps
 
 # Operations only the drafter's stage answers: what the live drafter holds, and its repair; each TP rank's
@@ -365,7 +366,7 @@ def run_under_torchrun(options: RuntimeOptions, request: GenerateRequest):
         )
     checkpoint = Checkpoint(options.model)  # no Engine checked first: what vLLM refuses, before joining the group
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's: the ranks on this machine
-    refused = tensor_parallel.runtime_refusal(checkpoint, open_drafter(checkpoint, options), options, local_ranks)
+    refused = runtime_refusal(checkpoint, open_drafter(checkpoint, options), options, local_ranks)
     if refused:
         raise SpecdoctorError(refused)
     model, _ = load_rank(options, rank)

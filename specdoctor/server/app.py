@@ -16,8 +16,8 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.compile_status import compile_totals
 from specdoctor.runtime.decode.requests import SequenceRequest
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, render_chat
 from specdoctor.server.reply import Reply

@@ -55,7 +55,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
-    from specdoctor.runtime.tensor_parallel import sharding_refusal
+    from specdoctor.runtime.refusals import sharding_refusal
     from specdoctor.workflow.alone import run_drafter_rank_alone
 
     runtime = options.runtime
@@ -157,7 +157,7 @@ class StageRunner:
 
     def run(self, name: str, policy: str) -> StageResult:
         from specdoctor.checks.behaviour import crashed_battery, run_battery
-        from specdoctor.runtime.comm import PipelineError
+        from specdoctor.errors import PipelineError
 
         self.progress.update(self.task, description=f"{name}: inspecting the loaded drafter")
         exam = examine_drafter(self.engine, name, self.prompts[0][:TAP_PROBE_TOKENS])

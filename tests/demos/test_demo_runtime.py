@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from specdoctor.errors import PipelineError
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
-from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine

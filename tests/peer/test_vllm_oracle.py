@@ -22,7 +22,8 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import layer_ranges, placements
-from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
+from specdoctor.runtime.sharding import shard_range, vocab_shard_range
+from specdoctor.runtime.tensor_parallel import TensorParallel
 from tests.helpers.checkpoints import zeroed_enorm_copy
 from tests.helpers.servers import SpecdoctorServer, free_port
 from tests.peer.conftest import K, start_or_fail

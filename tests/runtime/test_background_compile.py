@@ -21,9 +21,9 @@ from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.compile import LayerGraphs, compile_layers
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.launch import free_port
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.worker import load_rank
 
 

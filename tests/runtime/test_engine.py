@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdoctor.errors import PipelineError
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.comm import PipelineError
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.reference_decoder import greedy_generate
 from tests.helpers.waiting import process_state, wait_for

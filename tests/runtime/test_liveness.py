@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from specdoctor.errors import PipelineError
 from specdoctor.runtime import engine as engine_module
-from specdoctor.runtime.comm import PipelineError
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.helpers.held_ranks import held_rank_main

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, dequantize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kinds import drafter_kind
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.quantization import QuantizedWeight, dequantize
 from specdoctor.runtime.worker import build_rank
 from tests.commands.test_check import specdoctor
 from tests.helpers.reports import findings_of

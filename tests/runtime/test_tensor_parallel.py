@@ -1,7 +1,8 @@
-"""Tensor parallelism (runtime/tensor_parallel.py): TP 2 x PP 2 is four rank processes over gloo, each holding its
-slice of every sharded tensor. Oracles: transformers' own model classes (the prompt logits and greedy tokens of
-each family, saved by them with a vocabulary of 300 rows, which vLLM pads to 320: the last TP rank holds 20
-padding rows), and the runtime at TP 1 x PP 1 for the speculative counters of every prompt.
+"""Tensor parallelism (runtime/tensor_parallel.py, sharding.py, models/parallel_layers.py): TP 2 x PP 2 is four
+rank processes over gloo, each holding its slice of every sharded tensor. Oracles: transformers' own model classes
+(the prompt logits and greedy tokens of each family, saved by them with a vocabulary of 300 rows, which vLLM pads to
+320: the last TP rank holds 20 padding rows), and the runtime at TP 1 x PP 1 for the speculative counters of every
+prompt.
 
 Tolerance: float32 throughout; an all-reduce sums the ranks' partial projections in another order than one
 matmul does. The single-process comparison allows 1e-4 relative and 1e-5 absolute; here 5e-5 absolute, what
@@ -19,13 +20,14 @@ import torch
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.drafter.kinds import drafter_kind
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
-from specdoctor.runtime.tensor_parallel import TensorParallel, shard_range, vocab_shard_range
+from specdoctor.runtime.sampling import SamplingParams
+from specdoctor.runtime.sharding import shard_range, vocab_shard_range
+from specdoctor.runtime.tensor_parallel import TensorParallel
 from specdoctor.runtime.worker import build_rank
 from specdoctor.workflow.check import CheckOptions, run_check
 from tests.conftest import make_hf_checkpoint

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from specdoctor.runtime.comm import PipelineError
+from specdoctor.errors import PipelineError
 from specdoctor.runtime.decode.continuous import RowUpdate
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.requests import SequenceRequest

@@ -16,10 +16,12 @@ from specdoctor.errors import CheckpointError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.files import TORCH_DTYPES
 from specdoctor.runtime.checkpoint.keys import target_key_for
-from specdoctor.runtime.checkpoint.quantization import check_weight_shape
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.packed import PackedLinear, sliced_parts
+from specdoctor.runtime.models.parallel_layers import is_vocab_parallel
 from specdoctor.runtime.models.stage import TargetStage
+from specdoctor.runtime.quantization import check_weight_shape
+from specdoctor.runtime.sharding import segment_ranges, shard_range
 from specdoctor.runtime.tensor_parallel import TensorParallel
 
 DECODER_LAYERS = "model.layers."  # the target's decoder layers: where quantised linears live
@@ -44,11 +46,7 @@ def load_module(
         f"{owner}.{part}" for owner, linear in module.named_modules() if isinstance(linear, PackedLinear)
         for part in linear._buffers
     }  # fmt: skip
-    vocab = {
-        f"{owner}.weight".lstrip(".")
-        for owner, part in module.named_modules()
-        if tensor_parallel.is_vocab_parallel(part)
-    }
+    vocab = {f"{owner}.weight".lstrip(".") for owner, part in module.named_modules() if is_vocab_parallel(part)}
     segmented = {  # tensors whose rows are segments laid end to end, each split (models/gated_deltanet.py)
         f"{owner}.{name}".lstrip("."): sizes
         for owner, part in module.named_modules()
@@ -64,9 +62,9 @@ def load_module(
             result.missing[name] = key
             continue
         if name in segmented and tuple(info.shape) != tuple(target.shape):
-            shard = (0, tensor_parallel.segment_ranges(segmented[name], tp))
+            shard = (0, segment_ranges(segmented[name], tp))
         else:
-            shard = tensor_parallel.shard_range(tuple(info.shape), tuple(target.shape), name in vocab, tp)
+            shard = shard_range(tuple(info.shape), tuple(target.shape), name in vocab, tp)
         if tuple(info.shape) != tuple(target.shape) and shard is None:
             raise CheckpointError(
                 f"{checkpoint.path}: tensor {key!r} has shape {tuple(info.shape)}, the model expects "
@@ -115,10 +113,7 @@ def pack_linears(module: nn.Module, checkpoint: Checkpoint, key_for: Callable[[s
         if weight is None:
             continue
         local = (linear.out_features, linear.in_features)
-        if (
-            weight.shape != local
-            and tensor_parallel.shard_range(weight.shape, local, False, tensor_parallel.current()) is None
-        ):
+        if weight.shape != local and shard_range(weight.shape, local, False, tensor_parallel.current()) is None:
             raise CheckpointError(f"{checkpoint.path}: {key} holds a {weight.shape} weight, the model expects {local}")
         parts = {part: checkpoint.stored[part] for part in weight.parts.values()}
         unknown = next((part for part, info in parts.items() if info.dtype not in TORCH_DTYPES), None)

@@ -26,8 +26,8 @@ from specdoctor.runtime.checkpoint.files import (
     read_shard_header,
     resolve_model_path,
 )
-from specdoctor.runtime.checkpoint.quantization import dequantize, quantization_scheme, scan
 from specdoctor.runtime.models.registry import FAMILIES, is_runnable, read_config
+from specdoctor.runtime.quantization import dequantize, quantization_scheme, scan
 
 
 class Checkpoint:

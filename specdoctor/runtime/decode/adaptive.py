@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 
-FEWEST_PLAIN_ROWS = 8  # below, every step speculates: latency is what speculation is for, and one row's steps
-# are too short to time apart from the noise (on the demo a 1-stream load ran 16 % slower when they were)
+from specdoctor.runtime.options import FEWEST_PLAIN_ROWS
+
 MEASURED_STEPS = 4  # steps of a kind at a range of rows before their rates decide
 RETRY_EVERY = 64  # steps at a range of rows after which the losing kind is measured again
 KEPT_STEPS = 8  # the latest steps of a kind at a range whose median rate is its rate

@@ -27,9 +27,9 @@ from specdoctor.runtime.decode.requests import (
     SequenceRequest,
     validate_request,
 )
-from specdoctor.runtime.decode.sampling import RowSampler
 from specdoctor.runtime.decode.speculative import DUMMY_DRAFT, Drafts, commit, finish_device_work, speculative_step
 from specdoctor.runtime.options import DraftSampleMethod
+from specdoctor.runtime.sampling import RowSampler
 
 
 class BatchState:

@@ -13,7 +13,7 @@ import torch
 
 from specdoctor import kernels
 from specdoctor.kernels.reference import PLACEHOLDER
-from specdoctor.runtime.decode.sampling import greedy_tokens
+from specdoctor.runtime.sampling import greedy_tokens
 
 __all__ = ["PLACEHOLDER", "verify_greedy", "verify_random"]
 

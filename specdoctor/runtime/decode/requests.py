@@ -10,8 +10,8 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
+from specdoctor.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

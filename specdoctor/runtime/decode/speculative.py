@@ -18,8 +18,8 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
-from specdoctor.runtime.decode.sampling import RowSampler, greedy_tokens, probabilities, sample
 from specdoctor.runtime.faults import Faults
+from specdoctor.runtime.sampling import RowSampler, greedy_tokens, probabilities, sample
 
 DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordinary token id
 

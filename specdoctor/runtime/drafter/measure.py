@@ -14,6 +14,8 @@ from specdoctor import kernels
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import has_real_weight
+from specdoctor.runtime.models.parallel_layers import is_vocab_parallel
+from specdoctor.runtime.sharding import shard_range
 
 SAMPLED_ROWS = 64
 # Elements measured per pass: the kernels' float32 temporaries stay near 64 MiB however large the tensor (a
@@ -104,7 +106,7 @@ def fingerprint_mismatch(
 ) -> tuple[int, int]:
     """(mismatching, compared) rows between the loaded tensor and rows read from the checkpoint (the caller
     compares shapes first). `shard`: the (dim, start, end) of the checkpoint tensor a TP rank's slice holds
-    (tensor_parallel.shard_range); a vocabulary slice's rows past `end` are padding, expected zero."""
+    (sharding.shard_range); a vocabulary slice's rows past `end` are padding, expected zero."""
     dim, start, end = shard or (0, 0, checkpoint.tensors[key].shape[0])
     if loaded.dim() == 1:
         expected = checkpoint.read(key)[start:end].to(loaded.dtype)
@@ -145,9 +147,7 @@ def measure_drafter(model) -> DrafterState:
             checkpoint, key = source
             stats["checkpoint_key"] = key
             expected = tuple(checkpoint.tensors[key].shape)
-            shard = tensor_parallel.shard_range(
-                expected, tuple(tensor.shape), tensor_parallel.is_vocab_parallel(module), tp
-            )
+            shard = shard_range(expected, tuple(tensor.shape), is_vocab_parallel(module), tp)
             if tuple(tensor.shape) != expected and shard is None:  # another tensor in its place (another vocabulary)
                 stats["shape"], stats["checkpoint_shape"] = list(tensor.shape), list(expected)
             else:

@@ -17,12 +17,9 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.loader import allocate, load_module
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import EMBEDDING
-from specdoctor.runtime.tensor_parallel import (
-    ParallelLMHead,
-    TensorParallel,
-    VocabParallelEmbedding,
-    vocab_shard_range,
-)
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from specdoctor.runtime.sharding import vocab_shard_range
+from specdoctor.runtime.tensor_parallel import TensorParallel
 
 
 @dataclass

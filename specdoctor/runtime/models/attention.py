@@ -10,8 +10,8 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import FusedWeights, RMSNorm, concat_weights
 from specdoctor.runtime.models.packed import any_packed
+from specdoctor.runtime.models.parallel_layers import row_parallel
 from specdoctor.runtime.models.rope import apply_rotary
-from specdoctor.runtime.tensor_parallel import row_parallel
 
 
 class Attention(FusedWeights):

@@ -11,7 +11,7 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import MLP, RMSNorm
 from specdoctor.runtime.models.moe import MoE
-from specdoctor.runtime.tensor_parallel import ParallelLMHead
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead
 
 
 class SharedHead(nn.Module):

@@ -32,8 +32,8 @@ from specdoctor.runtime.models.attention import attention_span
 from specdoctor.runtime.models.blocks import DecoderBlock, DeepseekMtpLayer
 from specdoctor.runtime.models.dsa import DsaIndexer
 from specdoctor.runtime.models.layers import RMSNorm
+from specdoctor.runtime.models.parallel_layers import row_parallel
 from specdoctor.runtime.models.rope import apply_rotary_interleaved, yarn_mscale
-from specdoctor.runtime.tensor_parallel import row_parallel
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # The rotary layout of each DSA architecture's indexer when the config does not name it with

@@ -20,8 +20,10 @@ from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import DraftLayersConfig, ModelConfig, RawConfig
 from specdoctor.runtime.models import qwen3
 from specdoctor.runtime.models.layers import RMSNorm
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from specdoctor.runtime.models.rope import apply_rotary, rotary_cos_sin
-from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, current, local_config
+from specdoctor.runtime.sharding import local_config
+from specdoctor.runtime.tensor_parallel import current
 
 # vLLM 0.32 builds Qwen3DSparkForCausalLM for these (config/speculative.py; DSparkDraftModel only with
 # model_type qwen3, else it is DeepSeek-V4's drafter).

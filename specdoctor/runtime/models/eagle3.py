@@ -23,8 +23,10 @@ from specdoctor.runtime.config import DraftLayersConfig, ModelConfig, RawConfig
 from specdoctor.runtime.models import llama, qwen3
 from specdoctor.runtime.models.layers import RMSNorm
 from specdoctor.runtime.models.mtp import draft_chain
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from specdoctor.runtime.models.rope import rotary_cos_sin
-from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, current, local_config
+from specdoctor.runtime.sharding import local_config
+from specdoctor.runtime.tensor_parallel import current
 
 SPECULATORS_TYPE = "eagle3"  # `speculators_model_type` of the speculators format
 ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")

@@ -20,6 +20,7 @@ from torch import nn
 
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.models.parallel_layers import row_parallel
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -142,4 +143,4 @@ class GatedDeltaNet(nn.Module):
             windows = sequence.unfold(2, self.kernel - 1, 1)[:, :, 1:].transpose(1, 2)  # [B, T, C, K-1]
             states.stage(self.layer_id, windows, after)
         out = self.norm(out.to(x.dtype), z)
-        return tensor_parallel.row_parallel(self.out_proj, out.reshape(batch, length, -1))
+        return row_parallel(self.out_proj, out.reshape(batch, length, -1))

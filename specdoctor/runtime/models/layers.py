@@ -8,7 +8,7 @@ from torch import nn
 
 from specdoctor.kernels.reference import rms_norm
 from specdoctor.runtime.models.packed import any_packed
-from specdoctor.runtime.tensor_parallel import row_parallel
+from specdoctor.runtime.models.parallel_layers import row_parallel
 
 
 class PPMissingLayer(nn.Identity):

@@ -10,10 +10,11 @@ from torch import nn
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache, new_cache
 from specdoctor.runtime.config import ModelConfig
-from specdoctor.runtime.decode.sampling import greedy_tokens
+from specdoctor.runtime.models.parallel_layers import VocabParallelEmbedding
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin, rotary_tables
-from specdoctor.runtime.tensor_parallel import VocabParallelEmbedding, local_config
+from specdoctor.runtime.sampling import greedy_tokens
+from specdoctor.runtime.sharding import local_config
 
 
 def draft_chain(step, next_tokens, hidden, positions, base, cache: KVCache, k: int):

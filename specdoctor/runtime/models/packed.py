@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdoctor import kernels
-from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, check_weight_shape, dequantize
+from specdoctor.runtime.quantization import QuantizedWeight, check_weight_shape, dequantize
 
 
 class PackedLinear(nn.Module):
@@ -61,7 +61,7 @@ class PackedLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x times the weight, without the bias (a row-parallel rank adds it once: runtime/tensor_parallel.py)."""
+        """x times the weight, without the bias (a row-parallel rank adds it once: models/parallel_layers.py)."""
         flat = x.reshape(-1, self.in_features)
         spec, part = self.spec, self.part
         if spec.format == "fp8-block":

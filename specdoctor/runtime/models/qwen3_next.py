@@ -29,8 +29,8 @@ from specdoctor.runtime.models.blocks import DecoderBlock
 from specdoctor.runtime.models.gated_deltanet import GatedDeltaNet
 from specdoctor.runtime.models.layers import MLP, RMSNorm
 from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead, row_parallel
 from specdoctor.runtime.models.rope import apply_rotary
-from specdoctor.runtime.tensor_parallel import ParallelLMHead, row_parallel
 
 FUSED_PROJECTION = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False, "Qwen3_5MoeForCausalLM": False}
 ARCHITECTURES = tuple(FUSED_PROJECTION)

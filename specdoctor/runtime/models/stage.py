@@ -10,9 +10,10 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.models.layers import PPMissingLayer
+from specdoctor.runtime.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from specdoctor.runtime.models.registry import family_of
 from specdoctor.runtime.models.rope import rotary_cos_sin
-from specdoctor.runtime.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, local_config
+from specdoctor.runtime.sharding import local_config
 
 
 class TargetStage(nn.Module):

@@ -9,18 +9,12 @@ import random
 import pytest
 import torch
 
-from specdoctor.runtime.decode.adaptive import (
-    FEWEST_PLAIN_ROWS,
-    MEASURED_STEPS,
-    RETRY_EVERY,
-    SpeculationPolicy,
-    rows_range,
-)
+from specdoctor.runtime.decode.adaptive import MEASURED_STEPS, RETRY_EVERY, SpeculationPolicy, rows_range
 from specdoctor.runtime.decode.batch import BatchState
 from specdoctor.runtime.decode.continuous import JOIN, RunningBatch
 from specdoctor.runtime.decode.requests import SequenceRequest
-from specdoctor.runtime.decode.sampling import SamplingParams
-from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.options import FEWEST_PLAIN_ROWS, RuntimeOptions
+from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.worker import load_rank
 
 K = 3

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from specdoctor.runtime.decode.requests import SequenceRequest
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
 SAMPLINGS = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=5), SamplingParams()]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
-from specdoctor.runtime.decode.sampling import SamplingParams, greedy_tokens, probabilities
+from specdoctor.runtime.sampling import SamplingParams, greedy_tokens, probabilities
 
 P = PLACEHOLDER
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.sampling import SamplingParams
 from tests.helpers.dspark import make_drafter, make_target
 
 PROMPTS = [[5, 9, 14, 3, 77, 41, 8, 19], [101, 7], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
