@@ -5,7 +5,7 @@
 
 The demo model, fp32, PP 1, greedy, MTP with k 3 on every server (`serve` with its adaptive speculation, and once
 speculating every step). Every server is started first (an idle one takes no measurable CPU; start the compiled ones
-from a filled compile cache, docs/performance.md: every server up, the loads interleaved); then each load runs on
+from a filled compile cache, docs/performance.md: serving under load); then each load runs on
 each server in turn, `--repeats` times, so that every server's runs of a load lie within a minute of each other and
 this machine's slow and fast spells fall on all of them (the server order turns by one each repeat). For each number
 of concurrent streams c, c clients each send the 9 battery prompts `--rounds` times, back to back, streamed
