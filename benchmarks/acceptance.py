@@ -3,7 +3,7 @@ drafter's own faults: MTP embedding and head; DSpark's also the Markov head and 
 states).
 
     python -m benchmarks.acceptance [--model demo|demo-mla|demo-hybrid|demo-dspark|demo-eagle3] [--pp 4] [--prompts 16]
-        [--new-tokens 64] [--k 3] [--json runs/acceptance.json]
+        [--new-tokens 64] [--k 3] [--json FILE]
 
 Every speculative run is checked against plain greedy output (lossless: yes/no).
 """
@@ -11,13 +11,12 @@ Every speculative run is checked against plain greedy output (lossless: yes/no).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.errors import PipelineError
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.engine import Engine
@@ -60,7 +59,7 @@ def main() -> None:
     parser.add_argument(
         "--k", type=int, default=None, help="draft tokens of the broken rows (default: the drafter kind's own)"
     )
-    parser.add_argument("--json", type=Path, default=Path("runs/acceptance.json"))
+    add_json_option(parser, "acceptance")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_file(str(DEMO_MODELS[args.model] / "tokenizer.json"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)

@@ -2,7 +2,7 @@
 start-up included, stage by stage, with the before/after table it reports.
 
     python -m benchmarks.check_demo [--model demo|demo-mla|demo-hybrid|demo-dspark|demo-eagle3] [--pp 4] [--k K]
-        [--json runs/check_demo.json]
+        [--json FILE]
 
 --k defaults to check's own default: 3, a block drafter's block size, or an EAGLE-3 head's proposal length.
 """
@@ -14,12 +14,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 
 
@@ -28,7 +27,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(DEMO_MODELS), default="demo")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--k", type=int, help="--num-speculative-tokens (check's default when not given)")
-    parser.add_argument("--json", type=Path, default=Path("runs/check_demo.json"))
+    add_json_option(parser, "check_demo")
     args = parser.parse_args()
     command = [
         sys.executable,

@@ -1,7 +1,9 @@
-"""What every benchmark shares: the machine description and writing its JSON next to the table."""
+"""What every benchmark shares: the machine description and writing its JSON, by default under
+benchmarks/results/ (the files docs/performance.md cites), next to the table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,6 +18,16 @@ def machine() -> str:
     if torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name()}"
     return text
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_json_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--json FILE`, by default benchmarks/results/NAME.json (written relative to where the script runs, so a
+    run from the repository's root records the path as the docs spell it)."""
+    default = Path(os.path.relpath(RESULTS / f"{name}.json"))
+    parser.add_argument("--json", type=Path, default=default, help=f"where the JSON goes (default: {default})")
 
 
 def write_json(path: Path, data: dict) -> None:

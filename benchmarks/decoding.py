@@ -4,17 +4,16 @@ PP 1 and 4, k 1-5, eager and compiled (one after the other, in one run). The sam
 `specdoctor bench --model demo --pp 1 --pp 4 [--no-compile]`.
 
     python -m benchmarks.decoding [--pp 1 --pp 4] [--k 1 2 3 4 5] [--modes eager compiled] [--max-tokens 64]
-        [--json runs/decoding.json]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.commands.bench import BenchOptions, bench_table, run_bench
 from specdoctor.runtime.options import RuntimeOptions
 
@@ -29,7 +28,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["eager", "compiled"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=Path("runs/decoding.json"))
+    add_json_option(parser, "decoding")
     args = parser.parse_args()
     console = Console(width=160)
     reports = {}

@@ -4,20 +4,19 @@ Prints the greedy MTP acceptance at draft position 0 (for demo-dspark: the per-p
 greedy block anchored at every position of the trace) and writes JSON:
 
     python -m benchmarks.demo_quality [--model demo|demo-mla|demo-hybrid|demo-dspark] [--prompts 32]
-        [--new-tokens 64] [--json runs/demo_quality.json]
+        [--new-tokens 64] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.dspark import DSparkDrafter
@@ -33,7 +32,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=Path("runs/demo_quality.json"))
+    add_json_option(parser, "demo_quality")
     args = parser.parse_args()
 
     checkpoint = Checkpoint(args.model)

@@ -4,7 +4,7 @@ output checked against plain greedy output on the same device and against the CP
 position and tokens/s per PP size, as JSON.
 
     bash benchmarks/gpu_acceptance.sh [--device cuda] [--demos demo demo-mla ...] [--pp 1 2 4] [--max-tokens 64]
-        [--dtype float32|bfloat16|float16] [--json runs/gpu_acceptance.json]
+        [--dtype float32|bfloat16|float16] [--json FILE]
 
 Without a CUDA GPU it says so in one line and exits 2. `--device cpu` runs the same path on the CPU (CI runs
 it on one demo). A speculative output that differs from plain output on its device is weighed as `bench` and
@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from benchmarks.common import numeric_table, write_json
+from benchmarks.common import add_json_option, numeric_table, write_json
 from specdoctor.battery import battery_prompts
 from specdoctor.checks.behaviour import divergence_evidence
 from specdoctor.commands.bench import lossless_label
@@ -101,7 +100,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", type=Dtype, choices=list(Dtype), default=Dtype.FLOAT32)
-    parser.add_argument("--json", type=Path, default=Path("runs/gpu_acceptance.json"))
+    add_json_option(parser, "gpu_acceptance")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_acceptance: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing was run")

@@ -14,13 +14,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.kernels import reference
 
 
@@ -152,7 +151,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=Path("runs/kernels.json"))
+    add_json_option(parser, "kernels")
     args = parser.parse_args()
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device, 256 if device.type == "cuda" else 64)

@@ -5,7 +5,7 @@ sorted by expert (`torch._grouped_mm`, reading each expert's weights in place: t
 a CPU rank measured it faster at, when it loads). Microseconds a call for each number of tokens a pass routes (a
 16-row k 3 verify pass routes 64); with --eager, each path as `--no-compile` runs it.
 
-    python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--eager] [--json runs/moe_paths.json]
+    python -m benchmarks.moe_paths [--tokens 4 16 28 36 64 128 256] [--rounds 5] [--eager] [--json FILE]
 
 `torch._grouped_mm` runs float32 on the CPU in eager mode, but its shape function refuses anything but
 bfloat16 under torch.compile, so the runtime wraps it as an opaque op of its own (`specdoctor::grouped_mm`).
@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
@@ -42,7 +41,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="the paths alternate; the median is kept")
     parser.add_argument("--calls", type=int, default=50, help="calls per path and round")
     parser.add_argument("--eager", action="store_true", help="time the paths uncompiled")
-    parser.add_argument("--json", type=Path, default=Path("runs/moe_paths.json"))
+    add_json_option(parser, "moe_paths")
     args = parser.parse_args()
     model, _ = load_rank(RuntimeOptions("demo"), 0)
     layer = next(module for module in model.drafter.modules() if isinstance(module, MoE))

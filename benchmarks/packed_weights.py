@@ -3,7 +3,7 @@ at load, side by side in one run: the bytes the ranks hold for their tensors (th
 tests/runtime/test_packed_weights.py holds equal to what the ranks allocate), the peak resident memory of check
 and every process it starts (summed), the time to verdict, and whether the two reports agree.
 
-    python -m benchmarks.packed_weights [--model demo-w4a16] [--pp 2] [--json runs/packed_weights.json]
+    python -m benchmarks.packed_weights [--model demo-w4a16] [--pp 2] [--json FILE]
     python -m benchmarks.packed_weights --larger DIR   # a 190M-parameter GLM-4.5 that llm-compressor quantises
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.common import numeric_table, write_json
+from benchmarks.common import add_json_option, numeric_table, write_json
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.peak_memory import run_measured
 from tests.helpers.reports import findings_of
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default="demo-w4a16")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--larger", type=Path, help="build (once) and measure the larger model in this directory")
-    parser.add_argument("--json", type=Path, default=Path("runs/packed_weights.json"))
+    add_json_option(parser, "packed_weights")
     args = parser.parse_args()
     if args.larger:
         args.model = str(make_larger(args.larger))

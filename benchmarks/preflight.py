@@ -5,7 +5,7 @@ FP8-style weight + scale pairs, one MTP layer: about 100,000 keys in 32 shards; 
 themselves are tiny, since pre-flight reads no tensor data), then times opening it and running
 every pre-flight check:
 
-    python -m benchmarks.preflight [--shards 32] [--json runs/preflight.json]
+    python -m benchmarks.preflight [--shards 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.glm4_moe import MtpLayer
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", type=Path, default=Path("runs/preflight.json"))
+    add_json_option(parser, "preflight")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         keys = build(Path(tmp), args.shards)

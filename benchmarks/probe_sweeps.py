@@ -1,7 +1,7 @@
 """`probe`'s sweeps on the demo: the false-positive rate on a healthy server, each fault found by its sweep,
 the sampling test's power against the reused-uniform fault, and how long `probe --all` takes.
 
-    python -m benchmarks.probe_sweeps [--healthy-runs 20] [--power-runs 10] [--json runs/probe_sweeps.json]
+    python -m benchmarks.probe_sweeps [--healthy-runs 20] [--power-runs 10] [--json FILE]
 
 `specdoctor serve --model demo` (PP 1, fp32, k 3), the probe as a user runs it (a process per run):
 1. healthy: `probe --all --reference-url OFF` `--healthy-runs` times (OFF: the demo with speculation off); the
@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import track
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from tests.helpers.servers import SpecdoctorServer, probe
 
 FAULT_SWEEPS = {  # fault: (demo, the sweep that finds it)
@@ -96,7 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--healthy-runs", type=int, default=20)
     parser.add_argument("--power-runs", type=int, default=10)
-    parser.add_argument("--json", type=Path)
+    add_json_option(parser, "probe_sweeps")
     args = parser.parse_args()
     console = Console()
     results = {"machine": machine(), "faults": fault_runs(), "power": power_runs(args.power_runs)}
@@ -116,8 +115,7 @@ def main() -> None:
         table.add_row(str(tokens), f"{row['faulty']:.0%}", f"{row['healthy']:.0%}")
     console.print(table)
     console.print(f"machine: {results['machine']}")
-    if args.json:
-        write_json(args.json, results)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

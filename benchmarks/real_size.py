@@ -3,7 +3,7 @@ layer, 256 experts, bf16: 1.37 TB as sparse shards; tests/helpers/real_size.py),
 engine loads it, with --repair. Reports the time to verdict, the peak resident memory of check and every
 process it starts (summed), the stages that ran, and the time to write the checkpoint.
 
-    python -m benchmarks.real_size [--dir /tmp/real-size] [--json runs/real_size.json]
+    python -m benchmarks.real_size [--dir /tmp/real-size] [--json FILE]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from tests.helpers.peak_memory import run_measured
 from tests.helpers.real_size import DEEPSEEK_V3, write_sparse_checkpoint
 
@@ -24,7 +24,7 @@ from tests.helpers.real_size import DEEPSEEK_V3, write_sparse_checkpoint
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: a temporary directory)")
-    parser.add_argument("--json", type=Path, default=Path("runs/real_size.json"))
+    add_json_option(parser, "real_size")
     args = parser.parse_args()
     directory = args.dir or Path(tempfile.mkdtemp(prefix="real-size-"))
     try:

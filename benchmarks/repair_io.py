@@ -15,7 +15,7 @@ embedding, then measures, from a cold page cache (each shard evicted with posix_
 pre-flight. Bytes read are the shard pages that entered the page cache (fincore), so read-ahead
 counts too.
 
-    python -m benchmarks.repair_io [--sizes 1.25,2.5,4] [--repeats 5] [--json runs/repair_io.json]
+    python -m benchmarks.repair_io [--sizes 1.25,2.5,4] [--repeats 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from rich.table import Table
 from safetensors import safe_open
 from safetensors.torch import load, save_file
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.checks.preflight import preflight
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import EMBEDDING
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
-    parser.add_argument("--json", type=Path, default=Path("runs/repair_io.json"))
+    add_json_option(parser, "repair_io")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, Progress(transient=True) as progress:

@@ -1,6 +1,6 @@
 """Rolling a Gated DeltaNet layer's recurrent state back after a speculative step, both ways, side by side:
 
-    python -m benchmarks.rollback [--k 3] [--repeats 200] [--json runs/rollback.json]
+    python -m benchmarks.rollback [--k 3] [--repeats 200] [--json FILE]
 
 keep       the verification pass keeps the state after each of its k + 1 positions and the step commits
            the one after the last accepted token (what specdoctor's runtime does, and vLLM's GDN backend:
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.runtime.models.gated_deltanet import delta_rule, l2_normalise
 
 SIZES = {"demo-hybrid": (4, 32, 32), "Qwen3-Next-80B": (32, 128, 128)}  # value heads, key dim, value dim
@@ -66,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--json", type=Path, default=Path("runs/rollback.json"))
+    add_json_option(parser, "rollback")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     generator = torch.Generator().manual_seed(0)

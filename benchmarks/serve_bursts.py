@@ -2,7 +2,7 @@
 than the model (a compile, a pause of the process)? `specdoctor serve` against vLLM 0.32's CPU server, one server
 at a time, the servers of `benchmarks/serve_load.py`.
 
-    python -m benchmarks.serve_bursts [--streams 16] [--bursts 4] [--max-tokens 64] [--json runs/serve_bursts.json]
+    python -m benchmarks.serve_bursts [--streams 16] [--bursts 4] [--max-tokens 64] [--json FILE]
 
 Each server answers one short request (as serve_load warms up), then `--bursts` bursts one after another: c
 requests sent at once (the battery prompts, shifted by one per burst; streamed, `ignore_eos`), the next burst once
@@ -18,12 +18,11 @@ import argparse
 import asyncio
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 from rich.console import Console
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from benchmarks.serve_load import K, on_each_server, one_request
 from specdoctor.battery import load_battery
 
@@ -54,7 +53,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--json", type=Path, default=Path("runs/serve_bursts.json"))
+    add_json_option(parser, "serve_bursts")
     args = parser.parse_args()
     prompts = [entry["prompt"] for entry in load_battery(None)]
     rows = on_each_server(

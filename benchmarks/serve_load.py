@@ -1,11 +1,11 @@
 """Serving under load: `specdoctor serve` against vLLM 0.32's CPU server, the same load, side by side.
 
     python -m benchmarks.serve_load [--streams 1 4 16] [--max-tokens 64] [--rounds 2] [--repeats 3]
-        [--json runs/serve_load.json] [--servers NAME ...] [--baseline-checkout DIR]
+        [--json FILE] [--servers NAME ...] [--baseline-checkout DIR]
 
 The demo model, fp32, PP 1, greedy, MTP with k 3 on every server (`serve` with its adaptive speculation, and once
 speculating every step). Every server is started first (an idle one takes no measurable CPU; start the compiled ones
-from a filled compile cache, docs/performance.md: every server up, the loads interleaved); then each load runs on
+from a filled compile cache, docs/performance.md: serving under load); then each load runs on
 each server in turn, `--repeats` times, so that every server's runs of a load lie within a minute of each other and
 this machine's slow and fast spells fall on all of them (the server order turns by one each repeat). For each number
 of concurrent streams c, c clients each send the 9 battery prompts `--rounds` times, back to back, streamed
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from tests.helpers.servers import SpecdoctorServer
@@ -266,7 +266,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each load on each server, interleaved")
-    parser.add_argument("--json", type=Path, default=Path("runs/serve_load.json"))
+    add_json_option(parser, "serve_load")
     parser.add_argument("--servers", nargs="+", help="only these servers, by name (default: all)")
     parser.add_argument("--baseline-checkout", type=Path, help="also `serve` run from this source tree")
     args = parser.parse_args()

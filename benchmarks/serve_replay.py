@@ -9,7 +9,7 @@ With several --num-speculative-tokens, each k runs the same loads in turn (k 0: 
 loaded but not run); each k > 0 with adaptive speculation (`serve`'s default) and with every step speculating.
 
     python -m benchmarks.serve_replay [--streams 1 16] [--num-speculative-tokens 3] [--requests 96] [--max-tokens 64]
-        [--json runs/serve_replay.json]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import argparse
 import inspect
 import itertools
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
 from specdoctor.commands.serve import HOST_CORES, ServeOptions, serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -106,7 +105,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--json", type=Path, default=Path("runs/serve_replay.json"))
+    add_json_option(parser, "serve_replay")
     args = parser.parse_args()
     checkpoint = Checkpoint("demo")
     prompts = battery_prompts(None, checkpoint, load_codec(checkpoint, None))[0]

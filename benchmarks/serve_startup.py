@@ -2,7 +2,7 @@
 and its first completion from an empty compile cache, at PP 1, 2 and 4, on a quiet machine and with both cores busy;
 then, once per PP, how long its graphs take to compile behind serving and a warm start (the cache filled).
 
-    python -m benchmarks.serve_startup [--pp 1 2 4] [--rounds 3] [--busy 0 2] [--json runs/serve_startup.json]
+    python -m benchmarks.serve_startup [--pp 1 2 4] [--rounds 3] [--busy 0 2] [--json FILE]
 
 Each start is timed from launching the process: to its first /health 200 (the ranks loaded, the drafter checked),
 and to the end of its first completion (16 tokens, greedy; it waits for the eager warm-up of every batch shape, which
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from tests.helpers.servers import SpecdoctorServer
 
 FLAGS = ("--num-speculative-tokens", "3", "--adaptive-speculation", "--compile")  # serve's defaults, named
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy", type=int, nargs="+", default=[0, 2], help="spinning processes, one load each")
     parser.add_argument("--no-compile-timing", action="store_true", help="skip the compile and warm-start runs")
-    parser.add_argument("--json", type=Path, default=Path("runs/serve_startup.json"))
+    add_json_option(parser, "serve_startup")
     args = parser.parse_args()
     starts = [cold_starts(pp, args.rounds, spinners) for spinners in args.busy for pp in args.pp]
     compiles = [] if args.no_compile_timing else [compile_and_warm_start(pp) for pp in args.pp]

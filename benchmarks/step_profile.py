@@ -4,7 +4,7 @@ speculative speed-up and its ratio to the mean acceptance length, and the plain 
 weight-streaming floor (the bytes one plain step must read, at this machine's measured copy bandwidth).
 For PP 4 use `specdoctor bench --pp 4 [--no-compile]`.
 
-    python -m benchmarks.step_profile [--rounds 3] [--max-tokens 64] [--json runs/step_profile.json]
+    python -m benchmarks.step_profile [--rounds 3] [--max-tokens 64] [--json FILE]
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 from torch.profiler import profile
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
@@ -81,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="eager and compiled alternate; the median is kept")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--json", type=Path, default=Path("runs/step_profile.json"))
+    add_json_option(parser, "step_profile")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())  # what a PP 1 rank runs with: every core
     keep_freed_memory_mapped()

@@ -2,18 +2,17 @@
 speculative (k 3), at batch 1 and 8. Each TP size runs in its own engine, the two alternating round by round so
 that the machine's noise falls on both; the figure is the median of the rounds' decode tokens/s (prefill left out).
 
-    python -m benchmarks.tensor_parallel [--rounds 3] [--max-tokens 48] [--json runs/tensor_parallel.json]
+    python -m benchmarks.tensor_parallel [--rounds 3] [--max-tokens 48] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.common import machine, numeric_table, write_json
+from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 
@@ -32,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--json", type=Path, default=Path("runs/tensor_parallel.json"))
+    add_json_option(parser, "tensor_parallel")
     args = parser.parse_args()
     cases = [(batch, k) for batch in (1, 8) for k in (0, 3)]
     rates: dict[tuple[int, int, int], list[float]] = {}

@@ -1,7 +1,7 @@
 """Plain greedy decoding, specdoctor's runtime (PP 1, its own rank process) against transformers'
 `generate` on the same checkpoint, prompts and token count, measured alternately in one run.
 
-    python -m benchmarks.vs_transformers [--max-tokens 64] [--rounds 3] [--json runs/vs_transformers.json]
+    python -m benchmarks.vs_transformers [--max-tokens 64] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import Glm4MoeForCausalLM
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
@@ -36,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=Path("runs/vs_transformers.json"))
+    add_json_option(parser, "vs_transformers")
     args = parser.parse_args()
     codec = TextCodec(DEMO_DIR / "tokenizer.json")
     prompts = [codec.encode(entry["prompt"]) for entry in load_battery(None)]

@@ -1,6 +1,6 @@
 """specdoctor against vLLM 0.32's CPU build on the demo model, over HTTP, one server at a time.
 
-    python -m benchmarks.vs_vllm [--max-tokens 32] [--speed-tokens 64] [--rounds 2] [--json runs/vs_vllm.json]
+    python -m benchmarks.vs_vllm [--max-tokens 32] [--speed-tokens 64] [--rounds 2] [--json FILE]
 
 1. Per battery prompt (greedy, k 3, fp32, PP 1): vLLM's token ids against specdoctor's runtime, and
    each engine's drafts and accepted tokens for that request alone (vLLM: the /metrics difference
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import add_json_option, machine, write_json
 from specdoctor.battery import load_battery
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.reader import Checkpoint
@@ -89,7 +88,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="per prompt, for the per-prompt table")
     parser.add_argument("--speed-tokens", type=int, default=64, help="per prompt, for the speed table")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=Path("runs/vs_vllm.json"))
+    add_json_option(parser, "vs_vllm")
     args = parser.parse_args()
     codec = TextCodec(DEMO_DIR / "tokenizer.json", Checkpoint("demo").config.eos_token_ids)
     battery = [(entry["name"], codec.encode(entry["prompt"])) for entry in load_battery(None)]
