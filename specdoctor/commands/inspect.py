@@ -41,7 +41,7 @@ def inspect(
     keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --tp x --pp ranks and the
     pre-flight's findings."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.registry import drafter_kind
 
     checkpoint = Checkpoint(model)
     summary = summarize(checkpoint, pp, drafter_kind(checkpoint, model, speculative_model), tp)

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
+from specdoctor.runtime.options import RuntimeOptions
 
 RUNTIME_PANEL = "Runtime (vLLM's spellings accepted)"
 SPECULATIVE_CONFIG = "speculative_config"
@@ -110,6 +110,8 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
 
         @functools.wraps(command)
         def wrapper(**values):
+            from specdoctor.runtime.drafter.registry import options_from_speculative_config, speculative_method
+
             config_text = values.pop(SPECULATIVE_CONFIG)
             chosen = {name: values.pop(name) for name in _FIELDS}
             if config_text is not None:
@@ -121,6 +123,7 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
                 if given not in (None, default, k, [k]):
                     raise SpecdoctorError(f"--num-speculative-tokens {given} contradicts --speculative-config (k {k})")
                 chosen["num_speculative_tokens"] = [k] if "num_speculative_tokens" in repeat else k
+            chosen["speculative_method"] = speculative_method(chosen["speculative_method"])  # the kinds own the names
             if repeat:
                 sweeps = {name: chosen[name] or list(defaults[name]) for name in repeat}
                 chosen.update({name: values[0] for name, values in sweeps.items()})

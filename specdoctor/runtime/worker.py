@@ -29,9 +29,9 @@ from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.drafter.kind import DrafterKind
-from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import combine_states, measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
+from specdoctor.runtime.drafter.registry import open_drafter
 from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults

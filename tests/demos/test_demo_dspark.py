@@ -11,7 +11,7 @@ from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
-from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
+from specdoctor.runtime.drafter.registry import drafter_checkpoint
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.demos.test_demo_runtime import NEW_TOKENS, TEXTS
@@ -21,7 +21,7 @@ SIZE_LIMIT = 15_000_000  # target and drafter together (the issue's bar)
 
 
 def test_ships_as_a_target_and_a_drafter_checkpoint_within_the_size_limit():
-    target, drafter = Checkpoint(DEMO), DrafterCheckpoint(DEMO_DRAFTERS[DEMO])
+    target, drafter = Checkpoint(DEMO), drafter_checkpoint(DEMO_DRAFTERS[DEMO])
     size = sum(p.stat().st_size for folder in (target.path, drafter.path) for p in folder.iterdir())
     assert 1_000_000 < size <= SIZE_LIMIT
     assert target.config.architecture == "Qwen3ForCausalLM" and target.config.num_nextn_predict_layers == 0

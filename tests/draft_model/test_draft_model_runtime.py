@@ -207,7 +207,7 @@ def test_the_memory_plan_holds_the_draft_models_own_cache(dm_target, first_layer
     """The drafter's rank holds keys and values for its target layers and for every draft layer: 2 × layers ×
     batch × length × KV heads × head size × 4 bytes (fp32), from the two configs."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.registry import drafter_kind
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
 

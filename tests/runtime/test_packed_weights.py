@@ -12,7 +12,7 @@ import torch
 
 from specdoctor.runtime.checkpoint.quantization import QuantizedWeight, dequantize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kinds import drafter_kind
+from specdoctor.runtime.drafter.registry import drafter_kind
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.options import RuntimeOptions

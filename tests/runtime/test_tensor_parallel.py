@@ -20,7 +20,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.decode.sampling import SamplingParams
-from specdoctor.runtime.drafter.kinds import drafter_kind
+from specdoctor.runtime.drafter.registry import drafter_kind
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions

@@ -13,11 +13,13 @@ import torch
 
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import tokenizer_differences
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
 from specdoctor.runtime.models.draft_model import DraftModel
+from specdoctor.runtime.models.registry import FAMILIES
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import DraftRangePolicy, HeadPolicy, RuntimeOptions
 
@@ -30,6 +32,15 @@ class DraftModelKind(OwnCheckpointKind):
     stats_parts = ("embed_tokens", "lm_head")
     reads_tokens = True
     runs_beside_mtp_layers = True
+    read_config = staticmethod(Checkpoint.read_config)  # a whole model of a runtime family, read as a target is
+
+    @staticmethod
+    def claims(raw: dict) -> bool:
+        return (raw.get("architectures") or ["none"])[0] in FAMILIES
+
+    @staticmethod
+    def recognised() -> str:
+        return f"a draft model, {', '.join(FAMILIES)}"
 
     @property
     def draft_max_len(self) -> int:

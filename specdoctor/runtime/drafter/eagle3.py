@@ -18,7 +18,14 @@ from specdoctor.runtime.checkpoint.loader import allocate, load_module, material
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance
-from specdoctor.runtime.models.eagle3 import Eagle3Drafter, aux_entries, pairing_problems
+from specdoctor.runtime.models.eagle3 import (
+    ORIGINAL_ARCHITECTURES,
+    Eagle3Drafter,
+    aux_entries,
+    is_eagle3_config,
+    pairing_problems,
+    read_eagle3_config,
+)
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import D2tPolicy, RuntimeOptions
 
@@ -33,6 +40,13 @@ class Eagle3Kind(OwnCheckpointKind):
     label = "EAGLE-3 head"
     stats_parts = ("embed_tokens", "lm_head", "fc", "hidden_norm", "input_norm")
     misread_shift = 1  # the + 1 of DFlash's convention applied to ids that are entries already (sglang#25454)
+    read_by_method = True  # vLLM's EAGLEConfig takes a plain Llama or Qwen3 config named by method eagle3
+    claims = staticmethod(is_eagle3_config)
+    read_config = staticmethod(read_eagle3_config)
+
+    @staticmethod
+    def recognised() -> str:
+        return f'an EAGLE-3 head, {" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3"'
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ A kind (mtp.py, dspark.py) declares, once: which checkpoint tensor each of its t
 expected source, which measuring, the checks and the repair all use), how an engine loads it under each
 policy (through the shared ladder in policy.py), what it reads from the target (the final-normed hidden
 state, or the taps of named layers), and the module that drafts. The engine, the ranks, the partition,
-the checks and the commands ask the kind; none of them names one. kinds.py picks the kind of a pair.
+the checks and the commands ask the kind; none of them names one. registry.py picks the kind of a pair.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class DrafterKind(ABC):
     """One kind of drafter paired with one target checkpoint."""
 
     name: ClassVar[str]  # as `--speculative-config`'s "method" spells it
+    aliases: ClassVar[tuple[str, ...]] = ()  # vLLM's other "method" names for this kind
     label: ClassVar[str]  # for people: "MTP layers", "DSpark drafter"
     # Parts whose full statistics are worth a pass in the content check (every tensor is fingerprinted).
     stats_parts: ClassVar[tuple[str, ...]]
@@ -61,6 +62,11 @@ class DrafterKind(ABC):
 
     def __init__(self, target: Checkpoint):
         self.target = target
+
+    @classmethod
+    def methods(cls) -> tuple[str, ...]:
+        """Every "method" vLLM reads as this kind, its own name first (registry.py reads them)."""
+        return (cls.name, *cls.aliases)
 
     @property
     def checkpoint(self) -> Checkpoint | None:

@@ -99,6 +99,17 @@ class MtpKind(DrafterKind):
     """The target's own MTP layers (DeepSeek-V3 / GLM / Qwen3.5 / MiMo layouts), on the last rank."""
 
     name = "mtp"
+    # vLLM's MTP method names (vllm/config/speculative.py: MTPModelTypes): all mean the target's MTP layers.
+    aliases = (
+        "deepseek_mtp",
+        "glm4_moe_mtp",
+        "glm4_moe_lite_mtp",
+        "glm5_next_mtp",
+        "qwen3_next_mtp",
+        "qwen3_5_mtp",
+        "mimo_mtp",
+        "mimo_v2_mtp",
+    )
     label = "MTP layers"
     stats_parts = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
 
