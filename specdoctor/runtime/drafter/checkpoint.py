@@ -35,7 +35,8 @@ class DrafterCheckpoint(Checkpoint):
         found = (raw.get("architectures") or ["none"])[0] if isinstance(raw, dict) else "none"
         *first, last = (kind.recognised() for kind in self.kinds)
         raise CheckpointError(
-            f"{source}: not a drafter the runtime runs (architectures {found!r}; expected {', '.join(first)}, or {last})"
+            f"{source}: not a drafter the runtime runs (architectures {found!r}; "
+            f"expected {', '.join(first)}, or {last})"
         )
 
     def unrunnable_reason(self) -> str | None:
