@@ -10,7 +10,7 @@ the checks and the commands ask the kind; none of them names one. registry.py pi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -31,7 +31,15 @@ DEFAULT_SPECULATIVE_TOKENS = 3  # check's k where a kind names no default of its
 
 
 class DraftingModule(Protocol):
-    """What the decode loop asks of a live drafter (runtime/decode/speculative.py)."""
+    """What the decode loop asks of a live drafter (runtime/decode/speculative.py), and --compile of it
+    (runtime/compile.py). A module without an argmax chain of its own or a cache-only fill declares them absent:
+    `greedy_chain = None`, `fills_cache_only = False`."""
+
+    graph_methods: tuple[str, ...]  # what --compile routes through graphs: `run_layers`, and the two below
+    # Its whole argmax chain in one call (`greedy_drafts` runs it), or None; the decode loop takes it where
+    # --compile made it one graph.
+    greedy_chain: Callable[..., torch.Tensor] | None
+    fills_cache_only: bool  # `fill` stores a pass's cache entries without the rest of the pass
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache: ...
 
@@ -45,6 +53,14 @@ class DraftingModule(Protocol):
         k: int,
     ) -> Generator[torch.Tensor, torch.Tensor, None]:
         """Yields each draft position's logits [B, V]; send() back the token picked there [B]."""
+        ...
+
+    def greedy_drafts(self, next_tokens, features, positions, base, cache: KVCache, k: int) -> torch.Tensor:
+        """`draft`'s chain with every draft an argmax, [B, k], in one call (where `greedy_chain` is not None)."""
+        ...
+
+    def fill(self, next_tokens, features, positions, cache: KVCache) -> None:
+        """The cache entries at these positions and nothing else (where `fills_cache_only`)."""
         ...
 
 
