@@ -6,9 +6,9 @@ What is compiled is the part of a pass after its entry point has done the host w
 (`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point looks up
 the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled graph holds no
 host synchronisation; the span reaches it as the mask's size, so one graph serves every length, prompt passes'
-included (sizes of 1 and each MoE path aside). A drafter's greedy draft chain (its `greedy_chain`, where it has one:
-an MTP drafter's k steps, each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from one host
-read before it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass.
+included (sizes of 1 and each MoE path aside). A drafter's greedy draft chain (`greedy_chain`, where it has one:
+an MTP drafter's k steps, each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from
+one host read before it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass.
 Passes the graphs would have to break, or retrace per length, stay eager: prompt passes longer than a verify pass
 of modules whose layers loop over the positions (`loops_over_positions`: Gated DeltaNet's recurrence, which a
 trace unrolls, so each prompt length would be a graph of its own), and passes that take an MoE layer's per-expert
