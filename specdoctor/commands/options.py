@@ -68,6 +68,13 @@ def runtime_field_option(name: str, repeat: bool = False):
 
 
 ModelOption = runtime_field_option("model")
+SpeculativeConfigOption = Annotated[
+    str | None,
+    typer.Option(
+        help='vLLM\'s JSON, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' (sets the draft tokens).',
+        rich_help_panel=RUNTIME_PANEL,
+    ),
+]
 
 
 def _parameter(name: str, default, repeat: bool) -> inspect.Parameter:
@@ -95,16 +102,7 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
         ]
         runtime = [_parameter(name, defaults.get(name, spec.default), name in repeat) for name, spec in _FIELDS.items()]
         config = inspect.Parameter(
-            SPECULATIVE_CONFIG,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                str | None,
-                typer.Option(
-                    help='vLLM\'s JSON, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' (sets the draft tokens).',
-                    rich_help_panel=RUNTIME_PANEL,
-                ),
-            ],
+            SPECULATIVE_CONFIG, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SpeculativeConfigOption
         )
         parameters = [*runtime, config, *own]  # keyword-only: the order is only --help's
 

@@ -68,7 +68,7 @@ def test_inspect_describes_the_drafter_and_where_its_taps_live():
     import json
 
     summary = json.loads(result.stdout)
-    assert summary["block_drafter"]["architecture"] == "Qwen3DSparkModel"
+    assert summary["drafter_checkpoint"]["architecture"] == "Qwen3DSparkModel"
     taps = next(f for f in summary["preflight"] if f["check"] == "placement.taps")
     assert taps["severity"] == "warning" and taps["data"]["owners"] == {"1": 1, "3": 2, "5": 3}
     assert any(f["check"] == "placement.drafter_embedding" for f in summary["preflight"])

@@ -80,8 +80,8 @@ def test_inspect_describes_the_head_and_where_its_aux_states_live():
     result = specdoctor("inspect", "--model", DEMO, "--pp", "4", "--json", "-")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["block_drafter"]["architecture"] == "Eagle3LlamaForCausalLM"
-    assert summary["block_drafter"]["aux_entries_read"] == [1, 3, 5]
+    assert summary["drafter_checkpoint"]["architecture"] == "Eagle3LlamaForCausalLM"
+    assert summary["drafter_checkpoint"]["aux_entries_read"] == [1, 3, 5]
     taps = next(f for f in summary["preflight"] if f["check"] == "placement.taps")
     assert taps["severity"] == "warning" and taps["data"]["owners"] == {"0": 0, "2": 1, "4": 2}
     assert any(f["check"] == "placement.drafter_embedding" for f in summary["preflight"])

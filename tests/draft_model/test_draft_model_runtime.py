@@ -198,7 +198,7 @@ def test_inspect_describes_the_draft_model_and_its_range(dm_target, short_range)
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    drafter = summary["block_drafter"]  # the schema's name for any drafter checkpoint of its own
+    drafter = summary["drafter_checkpoint"]
     assert drafter["label"] == "draft model" and drafter["draft_max_len"] == SHORT_RANGE
     assert "draft_model.position_range" in {finding["check"] for finding in summary["preflight"]}
 

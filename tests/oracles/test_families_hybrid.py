@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 from torch._dynamo.utils import counters
 
-from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.decode.pipeline import prompt_logits
@@ -22,6 +21,7 @@ from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 from specdoctor.workflow.check import run_check
+from specdoctor.workflow.inspect import summarize
 from tests.commands.test_check import check_options
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,

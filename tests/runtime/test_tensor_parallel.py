@@ -195,7 +195,7 @@ def test_a_drafter_stage_built_alone_at_tp_2_says_its_tp_ranks_were_not_measured
 
 
 def test_inspect_shows_each_stages_ranks_and_what_vllm_refuses():
-    from specdoctor.commands.inspect import summarize
+    from specdoctor.workflow.inspect import summarize
 
     checkpoint = Checkpoint("demo")
     summary = summarize(checkpoint, 2, drafter_kind(checkpoint, "demo", None), tp=2)

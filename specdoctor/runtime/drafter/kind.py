@@ -19,6 +19,7 @@ from torch import nn
 
 from specdoctor.errors import CheckpointError, SpecdoctorError
 from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.checkpoint.keys import TARGET_EMBEDDING_KEYS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import Provenance, Source
 from specdoctor.runtime.drafter.taps import policy_entries
@@ -114,6 +115,11 @@ class DrafterKind(ABC):
                 "it fails at its first draft step"
             )
         return entries
+
+    def embedding_candidates(self) -> list[str]:
+        """The target checkpoint's keys that can supply the drafter's embedding, in the order a correct loader
+        tries them (the first present is its source): the target's own embedding."""
+        return list(TARGET_EMBEDDING_KEYS)
 
     def default_speculative_tokens(self) -> int:
         return DEFAULT_SPECULATIVE_TOKENS

@@ -113,6 +113,9 @@ class MtpKind(DrafterKind):
     label = "MTP layers"
     stats_parts = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
 
+    def embedding_candidates(self) -> list[str]:
+        return embedding_candidates(self.target.config)
+
     def module(self) -> MtpDrafter:
         return MtpDrafter(self.target.config)
 
