@@ -125,7 +125,7 @@ def build_rank(
         "has_drafter": placement.has_drafter,
         "keys_read": sorted(set(checkpoint.keys_read)),
         "bytes_read": checkpoint.bytes_read,
-        "drafter_provenance": dict(provenance.sources),
+        "drafter_provenance": provenance.labels(),
         # where the MoE layers switch paths: serve's compile warm-up crosses it (runtime/compile.py)
         "gathered_token_limit": max((layer.gathered_token_limit() for layer in moe_layers), default=0),
         "grouped_from": grouped_from,

@@ -42,7 +42,7 @@ def exam_of(state, stage: str) -> DrafterExam:
     from specdoctor.checks.drafter import drafter_findings
 
     findings, broken = drafter_findings(state, stage)
-    record = {"tensors": state.tensors, "provenance": state.provenance, "broken": sorted(set().union(*broken.values()))}
+    record = {**state.report(), "broken": sorted(set().union(*broken.values()))}
     if state.tp_ranks:  # which TP rank's shard is broken
         record["broken_by_tp_rank"] = {rank: names for rank, names in broken.items() if names}
     return DrafterExam(findings, broken, record)

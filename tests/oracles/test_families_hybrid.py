@@ -104,8 +104,8 @@ def transformers_mtp_logits(path, tokens, prev_hidden, positions):
 def test_mtp_step_matches_transformers_layers(hybrid_models, architecture):
     error, provenance = mtp_step_error(*hybrid_models[architecture], transformers_mtp_logits, first_position=0)
     assert not provenance.unfilled() and error < 1e-4
-    assert provenance.sources["layers.0.fc.weight"] == "checkpoint:mtp.fc.weight"
-    assert provenance.sources["layers.0.shared_head.head.weight"] == "alias:lm_head"
+    assert provenance.labels()["layers.0.fc.weight"] == "checkpoint:mtp.fc.weight"
+    assert provenance.labels()["layers.0.shared_head.head.weight"] == "alias:lm_head"
 
 
 def run_prompt(stage, cache, prompts):

@@ -104,8 +104,8 @@ class DraftModelKind(OwnCheckpointKind):
         provenance = Provenance()
         skip_head = {HEAD} if unloaded else set()
         body = load_module(model, self.drafter, lambda name: None if name in skip_head else self.checkpoint_key(name))
-        provenance.sources.update({name: f"checkpoint:{self.checkpoint_key(name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, self.checkpoint_key)
+        provenance.missing(body.missing)
         if unloaded:
             Placer(model, stage, options, provenance, device).leave_unloaded("lm_head", model.model.embed_tokens)
         materialize(model, device)

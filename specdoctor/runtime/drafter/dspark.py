@@ -87,8 +87,8 @@ class DSparkKind(OwnCheckpointKind):
             return None if skipped else name
 
         body = load_module(drafter, own, own_key)
-        provenance.sources.update({name: f"checkpoint:{name}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, lambda name: name)
+        provenance.missing(body.missing)
         place = Placer(drafter, stage, options, provenance, device)
         if markov_unloaded:
             for module in ("markov_head.markov_w1", "markov_head.markov_w2"):

@@ -17,7 +17,7 @@ from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
-from specdoctor.runtime.drafter.policy import Placer, Provenance
+from specdoctor.runtime.drafter.policy import Origin, Placer, Provenance, TensorSource
 from specdoctor.runtime.models.eagle3 import (
     ORIGINAL_ARCHITECTURES,
     Eagle3Drafter,
@@ -132,12 +132,12 @@ class Eagle3Kind(OwnCheckpointKind):
             return None if skipped else self.checkpoint_key(name)
 
         body = load_module(drafter, self.drafter, own_key)
-        provenance.sources.update({name: f"checkpoint:{self.checkpoint_key(name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, self.checkpoint_key)
+        provenance.missing(body.missing)
         if d2t_ignored and self.drafter.config.reduced_vocab:
             materialize(drafter, device)
             drafter.d2t.zero_()  # vLLM's draft_id_to_target_id starts as zeros and is only replaced by a load
-            provenance.sources[D2T] = "unfilled:zeros"
+            provenance.sources[D2T] = TensorSource(Origin.UNFILLED, "zeros")
         place = Placer(drafter, stage, options, provenance, device)
         target = self.target
         place.embedding(self.own_source(EMBEDDING), (target, target_embedding_key(target)), own_copy_first=True)

@@ -131,8 +131,8 @@ class MtpKind(DrafterKind):
         body = load_module(
             drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
         )
-        provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, lambda name: drafter_layer_key(config, name))
+        provenance.missing(body.missing)
         place = Placer(drafter, stage, options, provenance, device)
         own = checkpoint.first_present(own_embedding_keys(config))
         target = checkpoint.first_present(list(TARGET_EMBEDDING_KEYS))

@@ -148,8 +148,8 @@ def test_each_unloaded_tensor_is_found_from_its_content_and_repaired(pair, pp, p
 )
 def test_embedding_policies(pair, pp, policy, provenance):
     model = last_rank(pair, pp, drafter_policy=policy)
-    assert model.provenance.sources["embed_tokens.weight"] == provenance
-    assert model.provenance.sources["lm_head.weight"] == "alias:lm_head"  # the drafter's rank holds the head
+    assert model.provenance.labels()["embed_tokens.weight"] == provenance
+    assert model.provenance.labels()["lm_head.weight"] == "alias:lm_head"  # the drafter's rank holds the head
     findings, by_tp_rank = drafter_findings(measure_drafter(model), "before")
     broken = by_tp_rank[0]  # TP 1: rank 0 alone
     if policy == "alias-placeholder":
@@ -173,7 +173,7 @@ def test_a_shipped_embedding_is_the_drafters_own(pair, tmp_path):
     index["weight_map"]["embed_tokens.weight"] = "embed.safetensors"
     (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
     model = last_rank((pair[0], drafter, None), 2, drafter_policy="engine-legacy")
-    assert model.provenance.sources["embed_tokens.weight"] == "checkpoint:embed_tokens.weight"
+    assert model.provenance.labels()["embed_tokens.weight"] == "checkpoint:embed_tokens.weight"
     torch.testing.assert_close(model.drafter.embed_tokens.weight, own)
     assert drafter_findings(measure_drafter(model), "before")[1] == {0: []}
 
