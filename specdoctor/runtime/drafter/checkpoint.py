@@ -101,6 +101,17 @@ class OwnCheckpointKind(DrafterKind):
             raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
         drafter.require_runnable()
 
+    @property
+    def layers_config(self) -> ModelConfig:
+        """Its layers' config, whose sizes tensor parallelism splits as vLLM does (runtime/tensor_parallel.py's
+        drafter refusal): a head's draft layers (DSpark, EAGLE-3)."""
+        return self.drafter.config.backbone
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """A vocabulary of its own size its head drafts over, split as the target's (EAGLE-3's), or None."""
+        return None
+
     def own_source(self, name: str) -> Source | None:
         return (self.drafter, name) if name in self.drafter.tensors else None
 

@@ -15,6 +15,7 @@ from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import tokenizer_differences
+from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
@@ -41,6 +42,10 @@ class DraftModelKind(OwnCheckpointKind):
     @staticmethod
     def recognised() -> str:
         return f"a draft model, {', '.join(FAMILIES)}"
+
+    @property
+    def layers_config(self) -> ModelConfig:
+        return self.drafter.config  # a whole model of a runtime family
 
     @property
     def draft_max_len(self) -> int:

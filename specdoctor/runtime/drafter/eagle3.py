@@ -52,6 +52,10 @@ class Eagle3Kind(OwnCheckpointKind):
     def taps(self) -> tuple[int, ...]:
         return aux_entries(self.drafter.config, self.target.config.num_hidden_layers)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.drafter.config.draft_vocab_size
+
     def default_speculative_tokens(self) -> int:
         """vLLM's default: the speculators config's proposal length."""
         return self.drafter.config.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
