@@ -108,10 +108,11 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
 
         @functools.wraps(command)
         def wrapper(**values):
-            from specdoctor.runtime.drafter.registry import options_from_speculative_config, speculative_method
-
             config_text = values.pop(SPECULATIVE_CONFIG)
             chosen = {name: values.pop(name) for name in _FIELDS}
+            if config_text is not None or chosen["speculative_method"] is not None:
+                # The kinds own vLLM's method names: the registry (and torch) only where a method may be given.
+                from specdoctor.runtime.drafter.registry import options_from_speculative_config, speculative_method
             if config_text is not None:
                 from_config = options_from_speculative_config(config_text)
                 k = from_config.pop("num_speculative_tokens")
@@ -121,7 +122,8 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
                 if given not in (None, default, k, [k]):
                     raise SpecdoctorError(f"--num-speculative-tokens {given} contradicts --speculative-config (k {k})")
                 chosen["num_speculative_tokens"] = [k] if "num_speculative_tokens" in repeat else k
-            chosen["speculative_method"] = speculative_method(chosen["speculative_method"])  # the kinds own the names
+            if chosen["speculative_method"] is not None:  # as its kind names it (vLLM's MTP names: the MTP kind's)
+                chosen["speculative_method"] = speculative_method(chosen["speculative_method"])
             if repeat:
                 sweeps = {name: chosen[name] or list(defaults[name]) for name in repeat}
                 chosen.update({name: values[0] for name, values in sweeps.items()})
