@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-
 from specdoctor.checks.acceptance import acceptance_findings, bigram_baseline, block_findings
+from specdoctor.checks.proposals import CONSTANT_PROPOSALS_MIN_COUNT, CONSTANT_PROPOSALS_SHARE, proposal_profile
+from specdoctor.checks.registry import checks_of
 from specdoctor.report import Finding
 
-CONSTANT_PROPOSALS_MIN_COUNT = 20  # drafts needed before their spread means anything
-CONSTANT_PROPOSALS_SHARE = 0.5  # one token in half of the drafts: the drafter ignores its context
 # Where speculative output first differs, a gap between the target's best logit and the weaker of the two tokens
 # emitted there of at most this many units of the compute dtype's precision (eps · max(1, |best logit|)) is a
 # rounding tie: the two pass shapes (a k+1-query verify pass, a one-query step) round it differently.
 ROUNDING_LOGIT_ULPS = 16
-
-
-def proposal_profile(proposals: list[int]) -> dict:
-    """How varied the drafter's proposals are: share of the most frequent token and entropy in bits."""
-    if not proposals:
-        return {"count": 0, "top_token": None, "top_share": 0.0, "entropy_bits": 0.0}
-    counts = Counter(proposals)
-    token, top = counts.most_common(1)[0]
-    total = len(proposals)
-    entropy = 0.0 - sum(n / total * math.log2(n / total) for n in counts.values())  # never -0.0
-    return {"count": total, "top_token": token, "top_share": top / total, "entropy_bits": entropy}
 
 
 def run_battery(
@@ -47,11 +33,9 @@ def run_battery(
     findings = behaviour_findings(lossless, metrics, profile, k, min_length, stage, baseline, recurrent, divergences)
     if engine.drafter.drafts_in_blocks:  # the shape of its block tells the faults apart
         findings += block_findings("behaviour", metrics["per_position_acceptance_rate"], baseline, stage)
-    if engine.drafter.name == "draft_model":  # an engine's length gate: named first, it is the verdict
-        from specdoctor.checks.draft_model import dummy_draft_findings
-
-        longest = max(map(len, prompts)) + max_tokens
-        findings = dummy_draft_findings(engine.drafter, profile, longest, k, stage) + findings
+    # The kind's own verdicts (a draft model's: an engine's length gate) are named first: they are the verdict.
+    longest = max(map(len, prompts)) + max_tokens
+    findings = checks_of(engine.drafter).behaviour(engine.drafter, profile, longest, k, stage) + findings
     return {
         "battery": f"{sum(lossless)}/{len(lossless)}",
         "lossless": lossless,

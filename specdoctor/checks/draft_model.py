@@ -3,8 +3,9 @@ what vLLM 0.32 does with each): the pairing (vocabulary, tokenizer), the special
 
 from __future__ import annotations
 
-from specdoctor.checks.behaviour import CONSTANT_PROPOSALS_SHARE
 from specdoctor.checks.drafter_checkpoint import drafter_tensors
+from specdoctor.checks.kind_checks import KindChecks
+from specdoctor.checks.proposals import CONSTANT_PROPOSALS_SHARE
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.decode.speculative import DUMMY_DRAFT
@@ -89,3 +90,6 @@ def dummy_draft_findings(kind: DraftModelKind, profile: dict, longest: int, k: i
             {"draft_max_len": length, "longest_sequence": longest},
         )
     ]
+
+
+CHECKS = KindChecks(DraftModelKind, draft_model_preflight, behaviour=dummy_draft_findings)

@@ -7,9 +7,10 @@ whatever the memory held: zeros, NaN, stale bytes of another tensor, or a half-w
 from __future__ import annotations
 
 from specdoctor.report import Finding
+from specdoctor.runtime.drafter.measure import DrafterState, TensorRecord
 
 
-def drafter_findings(state, stage: str) -> tuple[list[Finding], dict[int, list[str]]]:
+def drafter_findings(state: DrafterState, stage: str) -> tuple[list[Finding], dict[int, list[str]]]:
     """(findings, names of the broken drafter tensors by TP rank) for a DrafterState. Under TP each rank's shard
     was measured on its rank: its findings name the rank (the others may be healthy)."""
     if not state.tp_ranks:
@@ -27,7 +28,7 @@ def drafter_findings(state, stage: str) -> tuple[list[Finding], dict[int, list[s
     return findings, broken
 
 
-def shard_findings(state, stage: str) -> tuple[list[Finding], list[str]]:
+def shard_findings(state: DrafterState, stage: str) -> tuple[list[Finding], list[str]]:
     """(findings, names of the broken drafter tensors) for one rank's DrafterState."""
     findings = [provenance_finding(state.unfilled, stage)]
     for name, placeholder in state.placeholders.items():
@@ -42,8 +43,8 @@ def shard_findings(state, stage: str) -> tuple[list[Finding], list[str]]:
                 {"name": name},
             )
         )
-    for name, stats in state.tensors.items():
-        findings += tensor_findings(name, stats, stage)
+    for name, record in state.tensors.items():
+        findings += tensor_findings(name, record, stage)
     broken = set(state.unfilled) | {f.data["name"] for f in findings if f.severity == "error" and "name" in f.data}
     return findings, sorted(broken)
 
@@ -68,16 +69,16 @@ DEGENERATE_FRACTION = 0.99
 TABLES = ("embed_tokens.weight", "shared_head.head.weight", "lm_head.weight", "markov_w1.weight", "markov_w2.weight")
 
 
-def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
+def tensor_findings(name: str, record: TensorRecord, stage: str) -> list[Finding]:
     findings = []
-    stats = {**stats, "name": name}
+    stats = {**record.to_dict(), "name": name}  # each finding's data
     summary = (
-        f"NaN {stats['nan']}, Inf {stats['inf']}, zeros {stats['zero_fraction']:.0%}, "
-        f"mean {stats['mean']:.3g}, std {stats['std']:.3g}, absmax {stats['absmax']:.3g}"
-        if "nan" in stats
-        else f"{stats['numel']:,} values"
+        f"NaN {record.nan}, Inf {record.inf}, zeros {record.zero_fraction:.0%}, "
+        f"mean {record.mean:.3g}, std {record.std:.3g}, absmax {record.absmax:.3g}"
+        if record.measured
+        else f"{record.numel:,} values"
     )
-    if stats.get("nan") or stats.get("inf"):
+    if record.nan or record.inf:
         findings.append(
             Finding(
                 "drafter.stats",
@@ -88,48 +89,48 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
                 stats,
             )
         )
-    elif degenerate(name, stats):
+    elif degenerate(name, record):
         findings.append(
             Finding(
                 "drafter.stats",
                 "error",
-                f"drafter {name}: {degenerate(name, stats)} ({summary})",
+                f"drafter {name}: {degenerate(name, record)} ({summary})",
                 "a table whose rows are all zero or all equal was never loaded; repair it from the checkpoint",
                 stage,
                 stats,
             )
         )
-    if "checkpoint_shape" in stats:
+    if record.checkpoint_shape is not None:
         findings.append(
             Finding(
                 "drafter.fingerprint",
                 "error",
-                f"drafter {name} has shape {tuple(stats['shape'])}, not {stats['checkpoint_key']}'s "
-                f"{tuple(stats['checkpoint_shape'])}: another tensor is in its place",
+                f"drafter {name} has shape {tuple(record.shape)}, not {record.checkpoint_key}'s "
+                f"{tuple(record.checkpoint_shape)}: another tensor is in its place",
                 "the engine put another tensor (the target's head over a pruned draft head?) where the checkpoint's "
                 "belongs; repair it",
                 stage,
                 stats,
             )
         )
-    if stats.get("mismatched_rows"):
+    if record.mismatched_rows:
         findings.append(
             Finding(
                 "drafter.fingerprint",
                 "error",
-                f"drafter {name}: {stats['mismatched_rows']}/{stats['compared_rows']} sampled rows differ from "
-                f"{stats['checkpoint_key']} ({summary})",
+                f"drafter {name}: {record.mismatched_rows}/{record.compared_rows} sampled rows differ from "
+                f"{record.checkpoint_key} ({summary})",
                 "the memory holds something other than the checkpoint's tensor; repair it",
                 stage,
                 stats,
             )
         )
-    if name.endswith("norm.weight") and "mean" in stats and abs(stats["mean"]) < 0.1:
+    if name.endswith("norm.weight") and record.measured and abs(record.mean) < 0.1:
         findings.append(
             Finding(
                 "drafter.norms",
                 "warning",
-                f"drafter {name} has mean {stats['mean']:.3g}",
+                f"drafter {name} has mean {record.mean:.3g}",
                 "RMSNorm weights stored zero-centred need +1 before use",
                 stage,
                 stats,
@@ -138,12 +139,12 @@ def tensor_findings(name: str, stats: dict, stage: str) -> list[Finding]:
     return findings
 
 
-def degenerate(name: str, stats: dict) -> str | None:
+def degenerate(name: str, record: TensorRecord) -> str | None:
     """Why an embedding or head table cannot be a trained one, or None."""
     if not name.endswith(TABLES):
         return None
-    if stats.get("zero_fraction", 0.0) >= DEGENERATE_FRACTION:
-        return f"{stats['zero_fraction']:.0%} of its values are zero"
-    if stats.get("duplicate_row_fraction", 0.0) >= DEGENERATE_FRACTION:
-        return f"{stats['duplicate_row_fraction']:.0%} of its rows repeat another row"
+    if (record.zero_fraction or 0.0) >= DEGENERATE_FRACTION:
+        return f"{record.zero_fraction:.0%} of its values are zero"
+    if (record.duplicate_row_fraction or 0.0) >= DEGENERATE_FRACTION:
+        return f"{record.duplicate_row_fraction:.0%} of its rows repeat another row"
     return None

@@ -5,6 +5,7 @@ the tap probe measured through the live pipeline (runtime/tap_probe.py). docs/ds
 from __future__ import annotations
 
 from specdoctor.checks.drafter_checkpoint import aux_relay, drafter_tensors, placement_findings
+from specdoctor.checks.kind_checks import KindChecks
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.drafter.dspark import DSparkKind
@@ -44,3 +45,6 @@ def dspark_preflight(kind: DSparkKind, ranks: list[Placement]) -> list[Finding]:
         unloaded = "vLLM 0.32 refuses to load it there"
         findings += drafter_tensors(kind) + placement_findings(kind, ranks, unloaded)
     return findings + aux_relay(kind, ranks) + quantization(drafter)
+
+
+CHECKS = KindChecks(DSparkKind, dspark_preflight)

@@ -5,6 +5,7 @@ draft vocabulary."""
 from __future__ import annotations
 
 from specdoctor.checks.drafter_checkpoint import aux_relay, drafter_tensors, placement_findings
+from specdoctor.checks.kind_checks import KindChecks
 from specdoctor.checks.quantization import quantization
 from specdoctor.report import Finding
 from specdoctor.runtime.drafter.eagle3 import Eagle3Kind
@@ -47,3 +48,6 @@ def eagle3_preflight(kind: Eagle3Kind, ranks: list[Placement]) -> list[Finding]:
         unloaded = "vLLM 0.32 never shares it at PP > 1: it stays unloaded"
         findings += drafter_tensors(kind) + placement_findings(kind, ranks, unloaded)
     return findings + aux_relay(kind, ranks) + quantization(kind.drafter)
+
+
+CHECKS = KindChecks(Eagle3Kind, eagle3_preflight)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from specdoctor.checks.draft_model import draft_model_preflight
-from specdoctor.checks.dspark import dspark_preflight
-from specdoctor.checks.eagle3 import eagle3_preflight
-from specdoctor.checks.mtp import mtp_preflight
 from specdoctor.checks.quantization import quantization
+from specdoctor.checks.registry import checks_of
 from specdoctor.report import Finding
 from specdoctor.runtime.architectures import ARCHITECTURES
 from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
@@ -14,22 +11,22 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import DrafterKind
 from specdoctor.runtime.partition import Placement
 
-# Each drafter kind's own pre-flight, by the kind's name (runtime/drafter/kinds.py).
-KIND_PREFLIGHT = {
-    "mtp": mtp_preflight,
-    "dspark": dspark_preflight,
-    "eagle3": eagle3_preflight,
-    "draft_model": draft_model_preflight,
-}
-
 
 def preflight(checkpoint: Checkpoint, ranks: list[Placement], drafter: DrafterKind | None = None) -> list[Finding]:
-    """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/kinds.py), or None."""
+    """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/registry.py), or None; its
+    checks module (checks/registry.py) gives its pre-flight and what it keeps in the target's quantisation."""
     findings = config_sanity(checkpoint, drafter is not None)
     if drafter is not None:
-        findings += KIND_PREFLIGHT[drafter.name](drafter, ranks)
-    findings += engine_placement(checkpoint, ranks) + engine_router(checkpoint) + quantization(checkpoint)
+        findings += checks_of(drafter).preflight(drafter, ranks)
+    findings += engine_placement(checkpoint, ranks) + engine_router(checkpoint)
+    findings += checks_of(drafter).quantization(drafter) if drafter is not None else quantization(checkpoint)
     return [Finding(**{**f.__dict__, "stage": "preflight"}) for f in findings]
+
+
+def sampled_preflight(drafter: DrafterKind | None) -> list[Finding]:
+    """The drafter kind's pre-flight findings that read sampled rows, beyond the headers (an MTP layer's own
+    copies)."""
+    return checks_of(drafter).sampled(drafter) if drafter is not None else []
 
 
 def config_sanity(checkpoint: Checkpoint, has_drafter: bool = False) -> list[Finding]:

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from specdoctor.commands.options import JsonReportOption, ModelOption, runtime_field_option
+from specdoctor.commands.options import (
+    JsonReportOption,
+    ModelOption,
+    SpeculativeConfigOption,
+    runtime_field_option,
+)
 from specdoctor.commands.output import emit_json_or_table
 from specdoctor.report import Finding, findings_table, placement_table
 
 PipelineSizeOption = runtime_field_option("pp")
 TensorParallelOption = runtime_field_option("tp")
 SpeculativeModelOption = runtime_field_option("speculative_model")
-CONFIG_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_nextn_predict_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "tie_word_embeddings",
-)
+SpeculativeMethodOption = runtime_field_option("speculative_method")
 
 
 def inspect(
@@ -35,98 +28,22 @@ def inspect(
     pp: PipelineSizeOption = 1,
     tp: TensorParallelOption = 1,
     speculative_model: SpeculativeModelOption = None,
+    speculative_method: SpeculativeMethodOption = None,
+    speculative_config: SpeculativeConfigOption = None,
     json_out: JsonReportOption = None,
 ) -> None:
     """Describe a checkpoint from its headers alone, for any architecture whose MTP layout is known: sizes,
-    keys, where the drafter's tensors live (a DSpark drafter's too), the placement at --tp x --pp ranks and the
-    pre-flight's findings."""
-    from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    keys, where the drafter's tensors live (a drafter checkpoint's too), the placement at --tp x --pp ranks and
+    the pre-flight's findings."""
+    from specdoctor.runtime.drafter.registry import options_from_speculative_config
+    from specdoctor.workflow.inspect import inspect_checkpoint
 
-    checkpoint = Checkpoint(model)
-    summary = summarize(checkpoint, pp, drafter_kind(checkpoint, model, speculative_model), tp)
+    if speculative_config is not None:  # its drafter fields over the flags, as every runtime command reads it
+        fields = options_from_speculative_config(speculative_config)
+        speculative_model = fields.get("speculative_model", speculative_model)
+        speculative_method = fields.get("speculative_method", speculative_method)
+    summary = inspect_checkpoint(model, pp, tp, speculative_model, speculative_method)
     emit_json_or_table(json.dumps(summary, indent=2) + "\n", json_out, lambda console: render_summary(summary, console))
-
-
-def describe(info) -> dict | None:
-    """A TensorInfo as JSON, or None for an absent tensor."""
-    if info is None:
-        return None
-    return {"key": info.key, "shard": info.shard, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes}
-
-
-def summarize(checkpoint, pp: int = 1, drafter=None, tp: int = 1) -> dict:
-    """`drafter`: the kind of drafter that drafts for this target (runtime/drafter/kinds.py), or None."""
-    from dataclasses import asdict
-
-    from specdoctor.checks.preflight import preflight
-    from specdoctor.runtime.architectures import ARCHITECTURES
-    from specdoctor.runtime.checkpoint.keys import TARGET_HEAD, target_embedding_key
-    from specdoctor.runtime.drafter.mtp import drafter_embedding_key, embedding_candidates, expected_mtp_keys
-    from specdoctor.runtime.partition import placements
-    from specdoctor.workflow.check import placement_row
-
-    config, tensors = checkpoint.config, checkpoint.tensors
-    layout = config.mtp_keys
-    mtp_layers = []
-    for layer_id in config.mtp_layer_ids:
-        prefix = layout.prefix(layer_id)
-        present = sorted(k for k in tensors if k.startswith(prefix))
-        expected = expected_mtp_keys(config, layer_id)
-        mtp_layers.append(
-            {
-                "layer": layer_id,
-                "prefix": prefix,
-                "tensors": [describe(tensors[k]) for k in present],
-                "missing": [k for k in expected if k not in tensors],
-            }
-        )
-    ranks = placements(config, pp, has_drafter=drafter is not None)
-    return {
-        "path": str(checkpoint.path),
-        "layout": checkpoint.layout,
-        "architecture": config.architecture,
-        "runtime": checkpoint.unrunnable_reason() or "runs",
-        "mtp_layout": layout.name,
-        "vllm_drafter": ARCHITECTURES[config.architecture].vllm_drafter,
-        "quantization": checkpoint.quantization,
-        "config": {name: getattr(config, name) for name in CONFIG_FIELDS},
-        "num_keys": len(tensors),
-        "num_shards": len({t.shard for t in tensors.values()}),
-        "total_bytes": sum(t.nbytes for t in tensors.values()),
-        "dtypes": dict(Counter(t.dtype for t in tensors.values()).most_common()),
-        "embedding": describe(tensors.get(target_embedding_key(checkpoint))),
-        "lm_head": describe(tensors.get(TARGET_HEAD)),
-        "mtp_shared_tensors": {key: describe(tensors.get(key)) for key in layout.shared_keys},
-        "mtp_layers": mtp_layers,
-        "mtp_layer_keys": [*layout.layer_keys, *(k for k in (layout.own_embedding, layout.own_head) if k)],
-        "draft_embedding": {"key": drafter_embedding_key(checkpoint), "candidates": embedding_candidates(config)},
-        "block_drafter": own_checkpoint_summary(drafter),  # the schema's name for a drafter checkpoint of its own
-        "placement": [placement_row(rank, tp) for rank in ranks],
-        "preflight": [asdict(finding) for finding in preflight(checkpoint, ranks, drafter) + tp_findings(config, tp)],
-    }
-
-
-def tp_findings(config, tp: int) -> list:
-    """At --tp > 1, what vLLM refuses of this model's split (check and every runtime command refuse it too)."""
-    from specdoctor.errors import SpecdoctorError
-    from specdoctor.report import Finding
-    from specdoctor.runtime.refusals import refusal
-
-    if tp < 1:
-        raise SpecdoctorError(f"--tensor-parallel-size must be at least 1, got {tp}")
-    reason = refusal(config, tp)
-    hint = "choose a TP size the heads, KV heads, intermediate sizes and padded vocabulary divide by"
-    return [Finding("placement.tensor_parallel", "error", f"TP {tp}: {reason}", hint, "preflight")] if reason else []
-
-
-def own_checkpoint_summary(drafter) -> dict | None:
-    """A drafter that is a checkpoint of its own: its path, what its kind says of its config, its tensors."""
-    own = drafter.checkpoint if drafter else None
-    if own is None:
-        return None
-    tensors = [describe(info) for _, info in sorted(own.tensors.items())]
-    return {"path": str(own.path), **drafter.config_summary(), "label": drafter.label, "tensors": tensors}
 
 
 def render_summary(summary: dict, console: Console) -> None:
@@ -172,7 +89,7 @@ def drafter_table(summary: dict) -> Table:
     row("lm_head", summary["lm_head"])
     for key, info in summary["mtp_shared_tensors"].items():
         row("MTP (shared)", info, f"{key} [red]missing[/red]")
-    own = summary["block_drafter"]
+    own = summary["drafter_checkpoint"]
     for info in own["tensors"] if own else []:
         row(f"{own['label'].split()[0]} {Path(own['path']).name}", info)
     for layer in summary["mtp_layers"]:

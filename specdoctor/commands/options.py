@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
+from specdoctor.runtime.options import RuntimeOptions
 
 RUNTIME_PANEL = "Runtime (vLLM's spellings accepted)"
 SPECULATIVE_CONFIG = "speculative_config"
@@ -68,6 +68,13 @@ def runtime_field_option(name: str, repeat: bool = False):
 
 
 ModelOption = runtime_field_option("model")
+SpeculativeConfigOption = Annotated[
+    str | None,
+    typer.Option(
+        help='vLLM\'s JSON, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' (sets the draft tokens).',
+        rich_help_panel=RUNTIME_PANEL,
+    ),
+]
 
 
 def _parameter(name: str, default, repeat: bool) -> inspect.Parameter:
@@ -95,16 +102,7 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
         ]
         runtime = [_parameter(name, defaults.get(name, spec.default), name in repeat) for name, spec in _FIELDS.items()]
         config = inspect.Parameter(
-            SPECULATIVE_CONFIG,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                str | None,
-                typer.Option(
-                    help='vLLM\'s JSON, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' (sets the draft tokens).',
-                    rich_help_panel=RUNTIME_PANEL,
-                ),
-            ],
+            SPECULATIVE_CONFIG, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SpeculativeConfigOption
         )
         parameters = [*runtime, config, *own]  # keyword-only: the order is only --help's
 
@@ -112,6 +110,9 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
         def wrapper(**values):
             config_text = values.pop(SPECULATIVE_CONFIG)
             chosen = {name: values.pop(name) for name in _FIELDS}
+            if config_text is not None or chosen["speculative_method"] is not None:
+                # The kinds own vLLM's method names: the registry (and torch) only where a method may be given.
+                from specdoctor.runtime.drafter.registry import options_from_speculative_config, speculative_method
             if config_text is not None:
                 from_config = options_from_speculative_config(config_text)
                 k = from_config.pop("num_speculative_tokens")
@@ -121,6 +122,8 @@ def runtime_command(repeat: tuple[str, ...] = (), **defaults):
                 if given not in (None, default, k, [k]):
                     raise SpecdoctorError(f"--num-speculative-tokens {given} contradicts --speculative-config (k {k})")
                 chosen["num_speculative_tokens"] = [k] if "num_speculative_tokens" in repeat else k
+            if chosen["speculative_method"] is not None:  # as its kind names it (vLLM's MTP names: the MTP kind's)
+                chosen["speculative_method"] = speculative_method(chosen["speculative_method"])
             if repeat:
                 sweeps = {name: chosen[name] or list(defaults[name]) for name in repeat}
                 chosen.update({name: values[0] for name, values in sweeps.items()})

@@ -6,9 +6,9 @@ What is compiled is the part of a pass after its entry point has done the host w
 (`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point looks up
 the embedding and the rotary table and plans the KV cache (span and causal mask), so a compiled graph holds no
 host synchronisation; the span reaches it as the mask's size, so one graph serves every length, prompt passes'
-included (sizes of 1 and each MoE path aside). An MTP drafter's greedy draft chain (`MtpDrafter.greedy_chain`:
-its k steps, each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from one host
-read before it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass.
+included (sizes of 1 and each MoE path aside). A drafter's greedy draft chain (`greedy_chain`, where it has one:
+an MTP drafter's k steps, each an embedding, a pass and an argmax) is one graph: its steps' keys are planned from
+one host read before it, so a step calls two graphs (the verify pass's layers and the chain) instead of one per pass.
 Passes the graphs would have to break, or retrace per length, stay eager: prompt passes longer than a verify pass
 of modules whose layers loop over the positions (`loops_over_positions`: Gated DeltaNet's recurrence, which a
 trace unrolls, so each prompt length would be a graph of its own), and passes that take an MoE layer's per-expert
@@ -87,12 +87,12 @@ def measured_once(key: str, measure) -> int | None:
 
 
 def compile_layers(module: torch.nn.Module, compiler: BackgroundCompiler) -> None:
-    """Route `module.run_layers` (its first argument [B, T, ...]) through graphs `compiler` compiles behind the passes,
-    and a drafter's greedy draft chain (`greedy_chain`, where it has one) as one graph per chain."""
+    """Route each of the module's `graph_methods` (a stage's or a drafter's: `run_layers`, its first argument
+    [B, T, ...], and a drafter's greedy draft chain or cache fill where it has them) through graphs `compiler`
+    compiles behind the passes, a greedy chain as one graph per chain."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(graph_cache_dir())
-    for method in ("run_layers", "greedy_chain", "fill_layers"):
-        if hasattr(module, method):
-            setattr(module, method, LayerGraphs(module, compiler, method))
+    for method in module.graph_methods:
+        setattr(module, method, LayerGraphs(module, compiler, method))
 
 
 class LayerGraphs:

@@ -30,8 +30,8 @@ from specdoctor.runtime.decode.requests import (
     validate_sequences,
     validate_speculative_tokens,
 )
-from specdoctor.runtime.drafter.kinds import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.measure import DrafterState
+from specdoctor.runtime.drafter.registry import open_drafter, speculative_tokens
 from specdoctor.runtime.drafter.repair import RepairResult
 from specdoctor.runtime.launch import free_port, kill_descendants, process_state, rank_context, stop_signals_held
 from specdoctor.runtime.options import DraftSampleMethod, RuntimeOptions

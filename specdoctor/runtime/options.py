@@ -145,6 +145,7 @@ class RuntimeOptions:
         "--speculative-model",
         help="A drafter checkpoint of its own (DSpark, EAGLE-3, a draft model); the DSpark and EAGLE-3 demos bring one",
     )
+    # Each kind owns its method names: runtime/drafter/registry.py checks this one and reads it as its kind's.
     speculative_method: str | None = option(
         None,
         "--speculative-method",
@@ -262,74 +263,3 @@ class RuntimeOptions:
         Faults.parse(self.fault)  # a bad --fault fails before anything starts
         if self.timeout <= 0:
             raise SpecdoctorError(f"--timeout must be positive, got {self.timeout}")
-        if self.speculative_method in MTP_METHODS:  # vLLM's MTP names all mean the target's own MTP layers
-            object.__setattr__(self, "speculative_method", "mtp")
-        if self.speculative_method not in (None, "mtp", *CHECKPOINT_METHODS):
-            raise SpecdoctorError(
-                f"--speculative-method: unknown method {self.speculative_method!r} (choose from mtp, "
-                f"{', '.join(CHECKPOINT_METHODS)})"
-            )
-
-
-# vLLM's method names for MTP drafters (vllm/config/speculative.py: MTPModelTypes) all mean "mtp".
-MTP_METHODS = (
-    "mtp",
-    "deepseek_mtp",
-    "glm4_moe_mtp",
-    "glm4_moe_lite_mtp",
-    "glm5_next_mtp",
-    "qwen3_next_mtp",
-    "qwen3_5_mtp",
-    "mimo_mtp",
-    "mimo_v2_mtp",
-)
-
-
-# vLLM's methods for the drafters of a checkpoint of their own the runtime runs (given as "model").
-CHECKPOINT_METHODS = ("dspark", "eagle3", "draft_model")
-
-
-def options_from_speculative_config(text: str) -> dict:
-    """RuntimeOptions fields from vLLM's `--speculative-config` JSON: num_speculative_tokens, and, if given,
-    draft_sample_method, the method as given (RuntimeOptions reads vLLM's MTP names as "mtp") and the drafter
-    checkpoint ("model", with a method of CHECKPOINT_METHODS, or none: the checkpoint tells its kind). Keys the
-    runtime cannot honour are refused, not ignored."""
-    import json
-
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SpecdoctorError(f"--speculative-config is not valid JSON ({err.msg})") from None
-    if not isinstance(config, dict):
-        raise SpecdoctorError("--speculative-config must be a JSON object")
-    unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "draft_sample_method"})
-    if unknown:
-        raise SpecdoctorError(
-            f"--speculative-config: {', '.join(unknown)} not supported (specdoctor reads method, model, "
-            "num_speculative_tokens and draft_sample_method)"
-        )
-    # Without a method vLLM tells a drafter checkpoint's kind from it, and drafts with MTP layers without one.
-    method = config.get("method", "mtp" if "model" not in config else None)
-    if method is not None and method not in MTP_METHODS + CHECKPOINT_METHODS:
-        raise SpecdoctorError(
-            f"--speculative-config: method {method!r} is not run (MTP methods: {', '.join(MTP_METHODS)}; "
-            f"drafter checkpoints: {', '.join(CHECKPOINT_METHODS)})"
-        )
-    if method is not None and (method in CHECKPOINT_METHODS) != ("model" in config):
-        raise SpecdoctorError(
-            f"--speculative-config: method {method!r} "
-            + ("needs" if method in CHECKPOINT_METHODS else "takes no")
-            + ' "model" (DSpark, EAGLE-3 and draft models are checkpoints of their own; an MTP drafter is the '
-            "target's)"
-        )
-    k = config.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise SpecdoctorError("--speculative-config: num_speculative_tokens must be an integer")
-    fields = {"num_speculative_tokens": k}
-    if "method" in config:
-        fields["speculative_method"] = method
-    if "model" in config:
-        fields["speculative_model"] = str(config["model"])
-    if "draft_sample_method" in config:
-        fields["draft_sample_method"] = config["draft_sample_method"]  # checked by RuntimeOptions
-    return fields

@@ -64,7 +64,7 @@ def sharding_refusal(checkpoint, drafter, options) -> str | None:
         return None
     reason = refusal(config, size)
     if reason is None and drafter is not None and drafter.checkpoint is not None:  # a drafter checkpoint of its own
-        reason = drafter_refusal(drafter.checkpoint.config, size)
+        reason = drafter_refusal(drafter, size)
     if reason is None and any("g_idx" in weight.parts for weight in checkpoint.quantized.values()):
         reason = "the runtime does not shard activation-ordered groups (weight_g_idx) yet"
     if reason is None and checkpoint.quantized and options.quantized_weights.value == "packed":
@@ -72,11 +72,11 @@ def sharding_refusal(checkpoint, drafter, options) -> str | None:
     return f"--tensor-parallel-size {size}: {reason}" if reason else None
 
 
-def drafter_refusal(config, size: int) -> str | None:
+def drafter_refusal(drafter, size: int) -> str | None:
     """vLLM's rules for a drafter checkpoint's layers (an EAGLE-3 or DSpark backbone, a draft model) and for its
     draft vocabulary, which its head splits as the target's."""
-    reason = refusal(getattr(config, "backbone", config), size)
-    draft_vocab = getattr(config, "draft_vocab_size", None)
+    reason = refusal(drafter.layers_config, size)
+    draft_vocab = drafter.draft_vocab_size
     if reason is None and draft_vocab:
         try:
             vocab_shard_range(draft_vocab, size, 0)

@@ -29,9 +29,9 @@ from specdoctor.runtime.decode.continuous import run_continuous
 from specdoctor.runtime.decode.pipeline import RankModel, prompt_logits
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.drafter.kind import DrafterKind
-from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.measure import combine_states, measure_drafter
 from specdoctor.runtime.drafter.policy import Provenance
+from specdoctor.runtime.drafter.registry import open_drafter
 from specdoctor.runtime.drafter.repair import combine_repairs, repair_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
@@ -126,7 +126,7 @@ def build_rank(
         "has_drafter": placement.has_drafter,
         "keys_read": sorted(set(checkpoint.keys_read)),
         "bytes_read": checkpoint.bytes_read,
-        "drafter_provenance": dict(provenance.sources),
+        "drafter_provenance": provenance.labels(),
         # where the MoE layers switch paths: serve's compile warm-up crosses it (runtime/compile.py)
         "gathered_token_limit": max((layer.gathered_token_limit() for layer in moe_layers), default=0),
         "grouped_from": grouped_from,

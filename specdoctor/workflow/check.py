@@ -52,7 +52,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     from specdoctor.battery import battery_prompts
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
-    from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
+    from specdoctor.runtime.drafter.registry import drafter_kind, speculative_tokens
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
     from specdoctor.runtime.refusals import sharding_refusal

@@ -42,18 +42,18 @@ def exam_of(state, stage: str) -> DrafterExam:
     from specdoctor.checks.drafter import drafter_findings
 
     findings, broken = drafter_findings(state, stage)
-    record = {"tensors": state.tensors, "provenance": state.provenance, "broken": sorted(set().union(*broken.values()))}
+    record = {**state.report(), "broken": sorted(set().union(*broken.values()))}
     if state.tp_ranks:  # which TP rank's shard is broken
         record["broken_by_tp_rank"] = {rank: names for rank, names in broken.items() if names}
     return DrafterExam(findings, broken, record)
 
 
 def preflight_findings(checkpoint, ranks, drafter) -> list[Finding]:
-    """The pre-flight, headers only; where an MTP layer ships its own copies, their sampled rows too."""
-    from specdoctor.checks.own_copies import own_copy_findings
-    from specdoctor.checks.preflight import preflight
+    """The pre-flight, headers only; where the drafter's kind reads sampled rows (an MTP layer's own copies),
+    those too."""
+    from specdoctor.checks.preflight import preflight, sampled_preflight
 
-    return preflight(checkpoint, ranks, drafter) + own_copy_findings(checkpoint)
+    return preflight(checkpoint, ranks, drafter) + sampled_preflight(drafter)
 
 
 def startup_check(engine, repair: bool, tap_prompt: list[int], console: Console) -> list[Finding]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from specdoctor.checks.acceptance import acceptance_findings, bigram_baseline, is_broken, is_chain_broken
 from specdoctor.checks.drafter import tensor_findings
+from specdoctor.runtime.drafter.measure import TensorRecord
 
 
 def test_bigram_baseline_scores_each_output_with_the_table_of_the_others():
@@ -28,8 +29,9 @@ def test_the_chain_signature_needs_a_healthy_first_position():
 
 def test_an_all_zero_or_all_equal_embedding_table_is_an_error_without_the_checkpoint():
     base = {"nan": 0, "inf": 0, "mean": 0.0, "std": 0.0, "absmax": 0.0, "numel": 10}
-    zeros = tensor_findings("embed_tokens.weight", {**base, "zero_fraction": 1.0, "duplicate_row_fraction": 1.0}, "s")
+    zeros = TensorRecord(**base, zero_fraction=1.0, duplicate_row_fraction=1.0)
+    zeros = tensor_findings("embed_tokens.weight", zeros, "s")
     assert [f.check for f in zeros] == ["drafter.stats"] and "100% of its values are zero" in zeros[0].message
-    repeated = {**base, "zero_fraction": 0.0, "duplicate_row_fraction": 0.995}
+    repeated = TensorRecord(**base, zero_fraction=0.0, duplicate_row_fraction=0.995)
     assert "repeat another row" in tensor_findings("layers.4.shared_head.head.weight", repeated, "s")[0].message
-    assert tensor_findings("layers.4.eh_proj.weight", {**base, "zero_fraction": 1.0}, "s") == []
+    assert tensor_findings("layers.4.eh_proj.weight", TensorRecord(**base, zero_fraction=1.0), "s") == []

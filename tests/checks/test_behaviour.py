@@ -1,6 +1,6 @@
 """The behaviour stage's verdict on what the drafter proposed: `behaviour.constant_proposals`, the signature of a
 drafter that proposes one token whatever its context (garbage weights: a NaN head or embedding makes every draft
-token 0), from the spread of the proposals (`proposal_profile`) and the thresholds in checks/behaviour.py."""
+token 0), from the spread of the proposals (`proposal_profile`) and the thresholds in checks/proposals.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ import re
 import pytest
 
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
-from specdoctor.checks.behaviour import (
-    CONSTANT_PROPOSALS_MIN_COUNT,
-    CONSTANT_PROPOSALS_SHARE,
-    behaviour_findings,
-    proposal_profile,
-)
+from specdoctor.checks.behaviour import behaviour_findings
+from specdoctor.checks.proposals import CONSTANT_PROPOSALS_MIN_COUNT, CONSTANT_PROPOSALS_SHARE, proposal_profile
 from specdoctor.runtime.decode.metrics import SpecMetrics
 
 K = 1

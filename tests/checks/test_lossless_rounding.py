@@ -16,10 +16,11 @@ from specdoctor.checks.behaviour import (
     behaviour_findings,
     divergence_evidence,
     first_difference,
-    proposal_profile,
     run_battery,
 )
+from specdoctor.checks.proposals import proposal_profile
 from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.drafter.mtp import MtpKind
 from specdoctor.runtime.options import Dtype
 
 VOCAB, EOS = 16, 15
@@ -38,7 +39,7 @@ class FakeEngine:
         self.options = SimpleNamespace(dtype=dtype)
         self.eos_token_ids = (EOS,)
         self.config = SimpleNamespace(num_hidden_layers=2, is_linear_attention=lambda i: i < recurrent)
-        self.drafter = SimpleNamespace(name="mtp", drafts_in_blocks=False)
+        self.drafter = MtpKind(target=None)  # a chain drafter: no block shape, no verdicts of its own
         self.scored: list[list[int]] = []
 
     def prompt_logits(self, prompts):

@@ -46,6 +46,20 @@ def test_inspect_demo_json_agrees_with_the_headers():
     assert summary["mtp_layers"][0]["missing"] == []
 
 
+def test_inspect_takes_the_drafter_flags_every_runtime_command_takes():
+    """--speculative-config as vLLM spells it (its method checked against the checkpoint), --speculative-method."""
+    from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS
+
+    head = str(DEMO_DRAFTERS["demo-eagle3"])
+    config = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    result = specdoctor("inspect", "--model", "demo-eagle3", "--speculative-config", config, "--json", "-")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["schema"] == "specdoctor.inspect/2" and summary["drafter_checkpoint"]["path"] == head
+    wrong = specdoctor("inspect", "--model", "demo-eagle3", "--speculative-method", "dspark")
+    assert wrong.returncode == 2 and "not method 'dspark'" in wrong.stderr
+
+
 @pytest.fixture
 def tiny(tmp_path):
     make_hf_checkpoint(tmp_path, seed=11, num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1)

@@ -15,7 +15,8 @@ import pytest
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.options import RuntimeOptions, options_from_speculative_config
+from specdoctor.runtime.drafter.registry import options_from_speculative_config, speculative_method
+from specdoctor.runtime.options import RuntimeOptions
 from tests.commands.test_check import specdoctor
 
 PACKAGE = Path(__file__).resolve().parents[2] / "specdoctor"
@@ -94,7 +95,7 @@ def test_speculative_config_accepts_every_mtp_method_name_vllm_registers():
         config = json.dumps({"method": method, "num_speculative_tokens": 3})
         fields = options_from_speculative_config(config)
         assert fields == {"num_speculative_tokens": 3, "speculative_method": method}
-        assert RuntimeOptions("demo", **fields).speculative_method == "mtp"  # every MTP name means the MTP layers
+        assert speculative_method(fields["speculative_method"]) == "mtp"  # every MTP name means the MTP layers
     sampled = '{"num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}'
     assert options_from_speculative_config(sampled)["draft_sample_method"] == "probabilistic"
 

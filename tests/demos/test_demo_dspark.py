@@ -11,7 +11,7 @@ from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
-from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
+from specdoctor.runtime.drafter.registry import drafter_checkpoint
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.demos.test_demo_runtime import NEW_TOKENS, TEXTS
@@ -21,7 +21,7 @@ SIZE_LIMIT = 15_000_000  # target and drafter together (the issue's bar)
 
 
 def test_ships_as_a_target_and_a_drafter_checkpoint_within_the_size_limit():
-    target, drafter = Checkpoint(DEMO), DrafterCheckpoint(DEMO_DRAFTERS[DEMO])
+    target, drafter = Checkpoint(DEMO), drafter_checkpoint(DEMO_DRAFTERS[DEMO])
     size = sum(p.stat().st_size for folder in (target.path, drafter.path) for p in folder.iterdir())
     assert 1_000_000 < size <= SIZE_LIMIT
     assert target.config.architecture == "Qwen3ForCausalLM" and target.config.num_nextn_predict_layers == 0
@@ -68,7 +68,7 @@ def test_inspect_describes_the_drafter_and_where_its_taps_live():
     import json
 
     summary = json.loads(result.stdout)
-    assert summary["block_drafter"]["architecture"] == "Qwen3DSparkModel"
+    assert summary["drafter_checkpoint"]["architecture"] == "Qwen3DSparkModel"
     taps = next(f for f in summary["preflight"] if f["check"] == "placement.taps")
     assert taps["severity"] == "warning" and taps["data"]["owners"] == {"1": 1, "3": 2, "5": 3}
     assert any(f["check"] == "placement.drafter_embedding" for f in summary["preflight"])

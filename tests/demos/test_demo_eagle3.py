@@ -11,7 +11,7 @@ import pytest
 
 from specdoctor.runtime.checkpoint.files import DEMO_DRAFTERS, DEMO_MODELS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
+from specdoctor.runtime.drafter.registry import drafter_checkpoint
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.commands.test_cli import specdoctor
@@ -25,7 +25,7 @@ QUALITY_FLOOR = 2.8
 
 
 def test_ships_as_a_speculators_head_within_the_size_limit():
-    head = DrafterCheckpoint(DEMO_DRAFTERS[DEMO])
+    head = drafter_checkpoint(DEMO_DRAFTERS[DEMO])
     assert sum(p.stat().st_size for p in head.path.iterdir()) <= SIZE_LIMIT
     config = head.config
     assert config.layout == "speculators" and config.aux_layer_ids == (1, 3, 5) and config.speculative_tokens == 5
@@ -80,8 +80,8 @@ def test_inspect_describes_the_head_and_where_its_aux_states_live():
     result = specdoctor("inspect", "--model", DEMO, "--pp", "4", "--json", "-")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["block_drafter"]["architecture"] == "Eagle3LlamaForCausalLM"
-    assert summary["block_drafter"]["aux_entries_read"] == [1, 3, 5]
+    assert summary["drafter_checkpoint"]["architecture"] == "Eagle3LlamaForCausalLM"
+    assert summary["drafter_checkpoint"]["aux_entries_read"] == [1, 3, 5]
     taps = next(f for f in summary["preflight"] if f["check"] == "placement.taps")
     assert taps["severity"] == "warning" and taps["data"]["owners"] == {"0": 0, "2": 1, "4": 2}
     assert any(f["check"] == "placement.drafter_embedding" for f in summary["preflight"])

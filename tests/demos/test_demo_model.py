@@ -6,10 +6,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.workflow.inspect import summarize
 from tests.helpers.acceptance_trace import position0_acceptance
 from tests.helpers.loading import load_target_and_drafter
 

@@ -198,7 +198,7 @@ def test_inspect_describes_the_draft_model_and_its_range(dm_target, short_range)
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    drafter = summary["block_drafter"]  # the schema's name for any drafter checkpoint of its own
+    drafter = summary["drafter_checkpoint"]
     assert drafter["label"] == "draft model" and drafter["draft_max_len"] == SHORT_RANGE
     assert "draft_model.position_range" in {finding["check"] for finding in summary["preflight"]}
 
@@ -207,7 +207,7 @@ def test_the_memory_plan_holds_the_draft_models_own_cache(dm_target, first_layer
     """The drafter's rank holds keys and values for its target layers and for every draft layer: 2 × layers ×
     batch × length × KV heads × head size × 4 bytes (fp32), from the two configs."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.registry import drafter_kind
     from specdoctor.runtime.memory import plan_memory
     from specdoctor.runtime.partition import placements
 

@@ -34,7 +34,7 @@ def target_taps(target, entries: tuple[int, ...]) -> tuple[torch.Tensor, int]:
 def runtime_drafter(target, drafter_dir):
     from specdoctor.runtime.checkpoint.loader import load_full_target
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import open_drafter
+    from specdoctor.runtime.drafter.registry import open_drafter
     from specdoctor.runtime.options import RuntimeOptions
 
     checkpoint = Checkpoint(target)

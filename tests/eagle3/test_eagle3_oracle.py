@@ -36,7 +36,7 @@ def target_aux(target, entries: tuple[int, ...]) -> tuple[torch.Tensor, torch.Te
 def runtime_head(target, head, **options):
     from specdoctor.runtime.checkpoint.loader import load_full_target
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import open_drafter
+    from specdoctor.runtime.drafter.registry import open_drafter
     from specdoctor.runtime.options import RuntimeOptions
 
     checkpoint = Checkpoint(target)

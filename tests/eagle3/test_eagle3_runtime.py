@@ -231,7 +231,7 @@ def specdoctor(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_speculative_config_names_an_eagle3_head(eagle3_target, pruned_head):
-    from specdoctor.runtime.options import options_from_speculative_config
+    from specdoctor.runtime.drafter.registry import options_from_speculative_config
 
     fields = options_from_speculative_config(
         json.dumps({"method": "eagle3", "model": str(pruned_head), "num_speculative_tokens": 4})
@@ -245,7 +245,7 @@ def test_speculative_config_names_an_eagle3_head(eagle3_target, pruned_head):
 
 def test_a_speculators_head_proposes_its_own_default_k(eagle3_target, pruned_head):
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind, speculative_tokens
+    from specdoctor.runtime.drafter.registry import drafter_kind, speculative_tokens
 
     kind = drafter_kind(Checkpoint(eagle3_target), str(eagle3_target), str(pruned_head))
     assert speculative_tokens(kind, None) == 5  # speculators_config's proposal, written by its training tool
@@ -265,7 +265,7 @@ def test_vllm_reads_a_plain_llama_config_named_by_method_eagle3_as_a_head(tmp_pa
     """Some heads ship `architectures: ["LlamaForCausalLM"]`: vLLM's EAGLEConfig takes them as EAGLE-3 heads when
     the method says eagle3; without one the runtime reads a Llama config as a draft model."""
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.registry import drafter_kind
 
     head = edited_head(original_head, tmp_path / "head", lambda c: {**c, "architectures": ["LlamaForCausalLM"]})
     target = Checkpoint(eagle3_target)

@@ -37,7 +37,7 @@ def preflight_by_check(target, drafter, pp: int) -> dict[str, list]:
     """The pre-flight's findings for the pair at PP `pp`, grouped by their check."""
     from specdoctor.checks.preflight import preflight
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.drafter.kinds import drafter_kind
+    from specdoctor.runtime.drafter.registry import drafter_kind
     from specdoctor.runtime.partition import placements
 
     checkpoint = Checkpoint(target)

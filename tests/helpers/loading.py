@@ -6,8 +6,8 @@ import torch
 
 from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kinds import open_drafter
 from specdoctor.runtime.drafter.policy import Provenance
+from specdoctor.runtime.drafter.registry import open_drafter
 from specdoctor.runtime.models.dspark import DSparkDrafter
 from specdoctor.runtime.models.mtp import MtpDrafter
 from specdoctor.runtime.models.stage import TargetStage

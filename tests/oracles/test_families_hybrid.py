@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 from torch._dynamo.utils import counters
 
-from specdoctor.commands.inspect import summarize
 from specdoctor.runtime.cache.kv_cache import new_cache
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.decode.pipeline import prompt_logits
@@ -22,6 +21,7 @@ from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.worker import load_rank
 from specdoctor.workflow.check import run_check
+from specdoctor.workflow.inspect import summarize
 from tests.commands.test_check import check_options
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,
@@ -104,8 +104,8 @@ def transformers_mtp_logits(path, tokens, prev_hidden, positions):
 def test_mtp_step_matches_transformers_layers(hybrid_models, architecture):
     error, provenance = mtp_step_error(*hybrid_models[architecture], transformers_mtp_logits, first_position=0)
     assert not provenance.unfilled() and error < 1e-4
-    assert provenance.sources["layers.0.fc.weight"] == "checkpoint:mtp.fc.weight"
-    assert provenance.sources["layers.0.shared_head.head.weight"] == "alias:lm_head"
+    assert provenance.labels()["layers.0.fc.weight"] == "checkpoint:mtp.fc.weight"
+    assert provenance.labels()["layers.0.shared_head.head.weight"] == "alias:lm_head"
 
 
 def run_prompt(stage, cache, prompts):

@@ -63,6 +63,8 @@ def test_graphs_swapped_in_mid_request_keep_its_greedy_tokens_and_its_seeded_dra
 
 
 class Toy(torch.nn.Module):
+    graph_methods = ("run_layers",)  # what compile_layers routes through graphs
+
     def __init__(self):
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)

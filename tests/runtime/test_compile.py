@@ -182,6 +182,8 @@ def test_serve_warms_up_prompts_past_the_gathered_expert_limit_the_ranks_report(
 class BreaksTheGraph(torch.nn.Module):
     """Layers with a call Dynamo cannot put in a graph (as a host read or an opaque kernel would be)."""
 
+    graph_methods = ("run_layers",)  # what compile_layers routes through graphs
+
     def __init__(self):
         super().__init__()
         self.proj = torch.nn.Linear(16, 16)
@@ -206,6 +208,8 @@ def test_layers_that_break_the_graph_run_eager_with_a_warning_and_save_nothing(c
 
 class WithAConstant(torch.nn.Module):
     """Layers that read a constant the module can change between passes (as the stage's tap entries change)."""
+
+    graph_methods = ("run_layers",)  # what compile_layers routes through graphs
 
     def __init__(self):
         super().__init__()
@@ -239,6 +243,8 @@ def test_saved_graphs_check_the_inputs_and_the_modules_constants_but_not_its_par
 
 class TiedLayers(torch.nn.Module):
     """Two projections that may share one weight (as tied embeddings and heads do)."""
+
+    graph_methods = ("run_layers",)  # what compile_layers routes through graphs
 
     def __init__(self, tied: bool):
         super().__init__()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kinds import drafter_kind
+from specdoctor.runtime.drafter.registry import drafter_kind
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kinds import drafter_kind
+from specdoctor.runtime.drafter.registry import drafter_kind
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.options import RuntimeOptions

@@ -20,7 +20,7 @@ import torch
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.kinds import drafter_kind
+from specdoctor.runtime.drafter.registry import drafter_kind
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions
@@ -197,7 +197,7 @@ def test_a_drafter_stage_built_alone_at_tp_2_says_its_tp_ranks_were_not_measured
 
 
 def test_inspect_shows_each_stages_ranks_and_what_vllm_refuses():
-    from specdoctor.commands.inspect import summarize
+    from specdoctor.workflow.inspect import summarize
 
     checkpoint = Checkpoint("demo")
     summary = summarize(checkpoint, 2, drafter_kind(checkpoint, "demo", None), tp=2)

@@ -53,9 +53,9 @@ class BatchState:
         if model.placement.is_last:
             self.sampler = RowSampler([s.sampling for s in sequences], model.device)
             if k:
-                mtp_cache = model.cache(batch, max_len, drafter=True)
+                drafter_cache = model.cache(batch, max_len, drafter=True)
                 self.drafts = Drafts(
-                    model.drafter, mtp_cache, k, self.sampler, sampled_drafts, model.device, model.faults
+                    model.drafter, drafter_cache, k, self.sampler, sampled_drafts, model.device, model.faults
                 )
         self.result = GenerateResult([[] for _ in range(batch)], [""] * batch)
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]

@@ -58,7 +58,7 @@ class Drafts:
             next_tokens, features = self._stale_rows(next_tokens, features)
         if self.past_dummy_limit(positions, base):
             self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
-        elif self.sampler.all_greedy and isinstance(getattr(self.drafter, "greedy_chain", None), LayerGraphs):
+        elif self.sampler.all_greedy and isinstance(self.drafter.greedy_chain, LayerGraphs):
             # Every draft an argmax, the chain compiled: one graph for the whole chain (runtime/compile.py).
             self.tokens = self.drafter.greedy_drafts(next_tokens, features, positions, base, self.cache, self.k)
             self.probs = None
@@ -80,7 +80,7 @@ class Drafts:
     def fill(self, next_tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, base: torch.Tensor):
         """No drafts (the next step decodes plainly), but the drafter's cache kept as `propose` keeps it: only the
         entries at these positions where the drafter can store them alone, else its whole proposal, dropped."""
-        if not getattr(self.drafter, "fills_cache_only", False):
+        if not self.drafter.fills_cache_only:
             self.propose(next_tokens, features, positions, base)
         else:
             start = time.perf_counter()

@@ -12,36 +12,31 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.kind import EMBEDDING, HEAD, DrafterKind
 from specdoctor.runtime.drafter.policy import Source
-from specdoctor.runtime.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
-from specdoctor.runtime.models.dspark import is_dspark_config, read_dspark_config
-from specdoctor.runtime.models.eagle3 import ORIGINAL_ARCHITECTURES, is_eagle3_config, read_eagle3_config
-from specdoctor.runtime.models.registry import FAMILIES
 from specdoctor.runtime.options import HeadPolicy, RuntimeOptions
 
 
 class DrafterCheckpoint(Checkpoint):
-    """A drafter checkpoint: a config the runtime runs or refuses outright, and its own tensors."""
+    """A drafter checkpoint: a config the runtime runs or refuses outright, and its own tensors. Its kind is
+    the first of `kinds` (the registry's) that claims its config.json."""
 
     what = "drafter"
 
-    def __init__(self, path, method: str | None = None):
-        self.method = method  # vLLM's "method" where the user named one: it reads the config by it
+    def __init__(self, path, kinds: tuple[type[OwnCheckpointKind], ...], method: str | None = None):
+        self.kinds, self.method = kinds, method  # vLLM's "method" where the user named one: a kind reads by it
+        self.kind: type[OwnCheckpointKind] | None = None
         super().__init__(path)
 
     def read_config(self, raw, source: str):
-        # vLLM's EAGLEConfig takes a plain Llama or Qwen3 config named by method eagle3 as an EAGLE-3 head.
-        if isinstance(raw, dict) and (is_eagle3_config(raw) or self.method == "eagle3"):
-            return read_eagle3_config(raw, source)
-        if isinstance(raw, dict) and is_dspark_config(raw):
-            return read_dspark_config(raw, source)
+        if isinstance(raw, dict):
+            named = next((kind for kind in self.kinds if kind.read_by_method and kind.name == self.method), None)
+            self.kind = named or next((kind for kind in self.kinds if kind.claims(raw)), None)
+        if self.kind is not None:
+            return self.kind.read_config(raw, source)
         found = (raw.get("architectures") or ["none"])[0] if isinstance(raw, dict) else "none"
-        if found in FAMILIES:  # a whole model of a runtime family: a draft model
-            return Checkpoint.read_config(raw, source)
+        *first, last = (kind.recognised() for kind in self.kinds)
         raise CheckpointError(
-            f"{source}: not a drafter the runtime runs (architectures {found!r}; expected a DSpark drafter, "
-            f"{' or '.join(DSPARK_ARCHITECTURES)} with model_type qwen3, an EAGLE-3 head, "
-            f'{" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3", or a draft model, '
-            f"{', '.join(FAMILIES)})"
+            f"{source}: not a drafter the runtime runs (architectures {found!r}; "
+            f"expected {', '.join(first)}, or {last})"
         )
 
     def unrunnable_reason(self) -> str | None:
@@ -55,6 +50,22 @@ class OwnCheckpointKind(DrafterKind):
     beside any: vLLM leaves the target's MTP layers unused then)."""
 
     runs_beside_mtp_layers: ClassVar[bool] = False
+    read_by_method: ClassVar[bool] = False  # its method named, any config is read as this kind's (vLLM's rule)
+
+    @staticmethod
+    def claims(raw: dict) -> bool:
+        """Whether a drafter checkpoint's config.json is this kind's."""
+        raise NotImplementedError
+
+    @staticmethod
+    def read_config(raw: dict, source: str):
+        """The config of a checkpoint this kind claims, read as vLLM reads it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def recognised() -> str:
+        """What a config this kind claims looks like, for the refusal of one no kind claims."""
+        raise NotImplementedError
 
     def __init__(self, target: Checkpoint, drafter: DrafterCheckpoint):
         super().__init__(target)
@@ -89,6 +100,17 @@ class OwnCheckpointKind(DrafterKind):
         if problems:
             raise CheckpointError(f"{drafter.path}: cannot draft for {target.path}: {problems[0]}")
         drafter.require_runnable()
+
+    @property
+    def layers_config(self) -> ModelConfig:
+        """Its layers' config, whose sizes tensor parallelism splits as vLLM does (runtime/refusals.py's
+        drafter refusal): a head's draft layers (DSpark, EAGLE-3)."""
+        return self.drafter.config.backbone
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """A vocabulary of its own size its head drafts over, split as the target's (EAGLE-3's), or None."""
+        return None
 
     def own_source(self, name: str) -> Source | None:
         return (self.drafter, name) if name in self.drafter.tensors else None

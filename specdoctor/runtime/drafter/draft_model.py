@@ -13,11 +13,14 @@ import torch
 
 from specdoctor.runtime.checkpoint.keys import target_key_for
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
+from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import tokenizer_differences
+from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance, Source
 from specdoctor.runtime.models.draft_model import DraftModel
+from specdoctor.runtime.models.registry import FAMILIES
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import DraftRangePolicy, HeadPolicy, RuntimeOptions
 
@@ -30,6 +33,19 @@ class DraftModelKind(OwnCheckpointKind):
     stats_parts = ("embed_tokens", "lm_head")
     reads_tokens = True
     runs_beside_mtp_layers = True
+    read_config = staticmethod(Checkpoint.read_config)  # a whole model of a runtime family, read as a target is
+
+    @staticmethod
+    def claims(raw: dict) -> bool:
+        return (raw.get("architectures") or ["none"])[0] in FAMILIES
+
+    @staticmethod
+    def recognised() -> str:
+        return f"a draft model, {', '.join(FAMILIES)}"
+
+    @property
+    def layers_config(self) -> ModelConfig:
+        return self.drafter.config  # a whole model of a runtime family
 
     @property
     def draft_max_len(self) -> int:
@@ -93,8 +109,8 @@ class DraftModelKind(OwnCheckpointKind):
         provenance = Provenance()
         skip_head = {HEAD} if unloaded else set()
         body = load_module(model, self.drafter, lambda name: None if name in skip_head else self.checkpoint_key(name))
-        provenance.sources.update({name: f"checkpoint:{self.checkpoint_key(name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, self.checkpoint_key)
+        provenance.missing(body.missing)
         if unloaded:
             Placer(model, stage, options, provenance, device).leave_unloaded("lm_head", model.model.embed_tokens)
         materialize(model, device)

@@ -15,7 +15,13 @@ from specdoctor.runtime.checkpoint.loader import allocate, load_module, material
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
 from specdoctor.runtime.drafter.policy import Placer, Provenance
-from specdoctor.runtime.models.dspark import DSparkDrafter, pairing_problems
+from specdoctor.runtime.models.dspark import (
+    ARCHITECTURES,
+    DSparkDrafter,
+    is_dspark_config,
+    pairing_problems,
+    read_dspark_config,
+)
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import MarkovPolicy, RuntimeOptions
 
@@ -32,6 +38,12 @@ class DSparkKind(OwnCheckpointKind):
     stats_parts = ("embed_tokens", "lm_head", "markov_w1", "markov_w2", "fc", "hidden_norm")
     drafts_in_blocks = True
     misread_shift = -1  # target_layer_ids taken as entries without vLLM's + 1: each layer's input
+    claims = staticmethod(is_dspark_config)
+    read_config = staticmethod(read_dspark_config)
+
+    @staticmethod
+    def recognised() -> str:
+        return f"a DSpark drafter, {' or '.join(ARCHITECTURES)} with model_type qwen3"
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -75,8 +87,8 @@ class DSparkKind(OwnCheckpointKind):
             return None if skipped else name
 
         body = load_module(drafter, own, own_key)
-        provenance.sources.update({name: f"checkpoint:{name}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, lambda name: name)
+        provenance.missing(body.missing)
         place = Placer(drafter, stage, options, provenance, device)
         if markov_unloaded:
             for module in ("markov_head.markov_w1", "markov_head.markov_w2"):

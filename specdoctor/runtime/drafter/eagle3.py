@@ -17,8 +17,15 @@ from specdoctor.runtime.checkpoint.keys import target_embedding_key, target_head
 from specdoctor.runtime.checkpoint.loader import allocate, load_module, materialize
 from specdoctor.runtime.drafter.checkpoint import OwnCheckpointKind
 from specdoctor.runtime.drafter.kind import DEFAULT_SPECULATIVE_TOKENS, EMBEDDING, HEAD
-from specdoctor.runtime.drafter.policy import Placer, Provenance
-from specdoctor.runtime.models.eagle3 import Eagle3Drafter, aux_entries, pairing_problems
+from specdoctor.runtime.drafter.policy import Origin, Placer, Provenance, TensorSource
+from specdoctor.runtime.models.eagle3 import (
+    ORIGINAL_ARCHITECTURES,
+    Eagle3Drafter,
+    aux_entries,
+    is_eagle3_config,
+    pairing_problems,
+    read_eagle3_config,
+)
 from specdoctor.runtime.models.stage import TargetStage
 from specdoctor.runtime.options import D2tPolicy, RuntimeOptions
 
@@ -33,10 +40,21 @@ class Eagle3Kind(OwnCheckpointKind):
     label = "EAGLE-3 head"
     stats_parts = ("embed_tokens", "lm_head", "fc", "hidden_norm", "input_norm")
     misread_shift = 1  # the + 1 of DFlash's convention applied to ids that are entries already (sglang#25454)
+    read_by_method = True  # vLLM's EAGLEConfig takes a plain Llama or Qwen3 config named by method eagle3
+    claims = staticmethod(is_eagle3_config)
+    read_config = staticmethod(read_eagle3_config)
+
+    @staticmethod
+    def recognised() -> str:
+        return f'an EAGLE-3 head, {" or ".join(ORIGINAL_ARCHITECTURES)} or speculators_model_type "eagle3"'
 
     @property
     def taps(self) -> tuple[int, ...]:
         return aux_entries(self.drafter.config, self.target.config.num_hidden_layers)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.drafter.config.draft_vocab_size
 
     def default_speculative_tokens(self) -> int:
         """vLLM's default: the speculators config's proposal length."""
@@ -118,12 +136,12 @@ class Eagle3Kind(OwnCheckpointKind):
             return None if skipped else self.checkpoint_key(name)
 
         body = load_module(drafter, self.drafter, own_key)
-        provenance.sources.update({name: f"checkpoint:{self.checkpoint_key(name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, self.checkpoint_key)
+        provenance.missing(body.missing)
         if d2t_ignored and self.drafter.config.reduced_vocab:
             materialize(drafter, device)
             drafter.d2t.zero_()  # vLLM's draft_id_to_target_id starts as zeros and is only replaced by a load
-            provenance.sources[D2T] = "unfilled:zeros"
+            provenance.sources[D2T] = TensorSource(Origin.UNFILLED, "zeros")
         place = Placer(drafter, stage, options, provenance, device)
         target = self.target
         place.embedding(self.own_source(EMBEDDING), (target, target_embedding_key(target)), own_copy_first=True)

@@ -4,13 +4,13 @@ A kind (mtp.py, dspark.py) declares, once: which checkpoint tensor each of its t
 expected source, which measuring, the checks and the repair all use), how an engine loads it under each
 policy (through the shared ladder in policy.py), what it reads from the target (the final-normed hidden
 state, or the taps of named layers), and the module that drafts. The engine, the ranks, the partition,
-the checks and the commands ask the kind; none of them names one. kinds.py picks the kind of a pair.
+the checks and the commands ask the kind; none of them names one. registry.py picks the kind of a pair.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from specdoctor.errors import CheckpointError, SpecdoctorError
 from specdoctor.runtime.cache.kv_cache import KVCache
+from specdoctor.runtime.checkpoint.keys import TARGET_EMBEDDING_KEYS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.policy import Provenance, Source
 from specdoctor.runtime.drafter.taps import policy_entries
@@ -31,7 +32,15 @@ DEFAULT_SPECULATIVE_TOKENS = 3  # check's k where a kind names no default of its
 
 
 class DraftingModule(Protocol):
-    """What the decode loop asks of a live drafter (runtime/decode/speculative.py)."""
+    """What the decode loop asks of a live drafter (runtime/decode/speculative.py), and --compile of it
+    (runtime/compile.py). A module without an argmax chain of its own or a cache-only fill declares them absent:
+    `greedy_chain = None`, `fills_cache_only = False`."""
+
+    graph_methods: tuple[str, ...]  # what --compile routes through graphs: `run_layers`, and the two below
+    # Its whole argmax chain in one call (`greedy_drafts` runs it), or None; the decode loop takes it where
+    # --compile made it one graph.
+    greedy_chain: Callable[..., torch.Tensor] | None
+    fills_cache_only: bool  # `fill` stores a pass's cache entries without the rest of the pass
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache: ...
 
@@ -47,11 +56,20 @@ class DraftingModule(Protocol):
         """Yields each draft position's logits [B, V]; send() back the token picked there [B]."""
         ...
 
+    def greedy_drafts(self, next_tokens, features, positions, base, cache: KVCache, k: int) -> torch.Tensor:
+        """`draft`'s chain with every draft an argmax, [B, k], in one call (where `greedy_chain` is not None)."""
+        ...
+
+    def fill(self, next_tokens, features, positions, cache: KVCache) -> None:
+        """The cache entries at these positions and nothing else (where `fills_cache_only`)."""
+        ...
+
 
 class DrafterKind(ABC):
     """One kind of drafter paired with one target checkpoint."""
 
     name: ClassVar[str]  # as `--speculative-config`'s "method" spells it
+    aliases: ClassVar[tuple[str, ...]] = ()  # vLLM's other "method" names for this kind
     label: ClassVar[str]  # for people: "MTP layers", "DSpark drafter"
     # Parts whose full statistics are worth a pass in the content check (every tensor is fingerprinted).
     stats_parts: ClassVar[tuple[str, ...]]
@@ -61,6 +79,11 @@ class DrafterKind(ABC):
 
     def __init__(self, target: Checkpoint):
         self.target = target
+
+    @classmethod
+    def methods(cls) -> tuple[str, ...]:
+        """Every "method" vLLM reads as this kind, its own name first (registry.py reads them)."""
+        return (cls.name, *cls.aliases)
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -92,6 +115,11 @@ class DrafterKind(ABC):
                 "it fails at its first draft step"
             )
         return entries
+
+    def embedding_candidates(self) -> list[str]:
+        """The target checkpoint's keys that can supply the drafter's embedding, in the order a correct loader
+        tries them (the first present is its source): the target's own embedding."""
+        return list(TARGET_EMBEDDING_KEYS)
 
     def default_speculative_tokens(self) -> int:
         return DEFAULT_SPECULATIVE_TOKENS

@@ -99,8 +99,22 @@ class MtpKind(DrafterKind):
     """The target's own MTP layers (DeepSeek-V3 / GLM / Qwen3.5 / MiMo layouts), on the last rank."""
 
     name = "mtp"
+    # vLLM's MTP method names (vllm/config/speculative.py: MTPModelTypes): all mean the target's MTP layers.
+    aliases = (
+        "deepseek_mtp",
+        "glm4_moe_mtp",
+        "glm4_moe_lite_mtp",
+        "glm5_next_mtp",
+        "qwen3_next_mtp",
+        "qwen3_5_mtp",
+        "mimo_mtp",
+        "mimo_v2_mtp",
+    )
     label = "MTP layers"
     stats_parts = ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm")
+
+    def embedding_candidates(self) -> list[str]:
+        return embedding_candidates(self.target.config)
 
     def module(self) -> MtpDrafter:
         return MtpDrafter(self.target.config)
@@ -117,8 +131,8 @@ class MtpKind(DrafterKind):
         body = load_module(
             drafter, checkpoint, lambda name: None if is_drafter_head(name) else drafter_layer_key(config, name)
         )
-        provenance.sources.update({name: f"checkpoint:{drafter_layer_key(config, name)}" for name in body.filled})
-        provenance.sources.update({name: "unfilled:missing-from-checkpoint" for name in body.missing})
+        provenance.read(body.filled, lambda name: drafter_layer_key(config, name))
+        provenance.missing(body.missing)
         place = Placer(drafter, stage, options, provenance, device)
         own = checkpoint.first_present(own_embedding_keys(config))
         target = checkpoint.first_present(list(TARGET_EMBEDDING_KEYS))

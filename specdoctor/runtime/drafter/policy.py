@@ -36,6 +36,7 @@ What "left as allocated" holds is the fill: empty, zeros, nan, or stale (another
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 import torch
 from torch import nn
@@ -50,15 +51,45 @@ from specdoctor.runtime.options import EmbeddingPolicy, Fill, HeadPolicy, Runtim
 Source = tuple[Checkpoint, str]  # a checkpoint and the key of one tensor in it
 
 
+class Origin(Enum):
+    CHECKPOINT = "checkpoint"  # read from a checkpoint: the detail is its key
+    ALIAS = "alias"  # a materialised module of the target's: the detail names it
+    PLACEHOLDER = "placeholder"  # a module of the target's this rank does not hold (no weight)
+    UNFILLED = "unfilled"  # left as allocated: the detail is the fill
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one drafter tensor came from; shown as 'ORIGIN:DETAIL' (checkpoint:KEY, alias:MODULE, ...)."""
+
+    origin: Origin
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.origin.value}:{self.detail}"
+
+
 @dataclass
 class Provenance:
-    """Where each drafter tensor came from: 'checkpoint:KEY', 'alias:MODULE', 'placeholder:MODULE'
-    or 'unfilled:FILL'. Anything unfilled is what the checks report."""
+    """Where each drafter tensor came from. Anything unfilled (or a placeholder) is what the checks report."""
 
-    sources: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, TensorSource] = field(default_factory=dict)
 
     def unfilled(self) -> list[str]:
-        return [name for name, source in self.sources.items() if source.startswith(("unfilled", "placeholder"))]
+        unfilled = (Origin.UNFILLED, Origin.PLACEHOLDER)
+        return [name for name, source in self.sources.items() if source.origin in unfilled]
+
+    def labels(self) -> dict[str, str]:
+        """As the reports show it: 'ORIGIN:DETAIL' per tensor."""
+        return {name: str(source) for name, source in self.sources.items()}
+
+    def read(self, names, key_of) -> None:
+        """`names` read from a checkpoint, each under the key `key_of(name)`."""
+        self.sources.update({name: TensorSource(Origin.CHECKPOINT, key_of(name)) for name in names})
+
+    def missing(self, names) -> None:
+        """`names` a checkpoint lacks: left as allocated."""
+        self.sources.update({name: TensorSource(Origin.UNFILLED, "missing-from-checkpoint") for name in names})
 
 
 def has_real_weight(module: nn.Module | None) -> bool:
@@ -94,19 +125,19 @@ class Placer:
         if module == "embed_tokens" and self.faults.vocab_shard_shifted and tp.rank == tp.size - 1 > 0:
             tp = replace(tp, rank=tp.rank - 1)  # the fault: the previous rank's range
         load_module(self.drafter.get_submodule(module), checkpoint, lambda _name: key, tp)
-        self.provenance.sources[f"{module}.weight"] = f"checkpoint:{key}"
+        self.provenance.sources[f"{module}.weight"] = TensorSource(Origin.CHECKPOINT, key)
 
     def alias(self, module: str, target_module: nn.Module, label: str) -> None:
         self.drafter.set_submodule(module, target_module)
         real = has_real_weight(target_module)
-        self.provenance.sources[f"{module}.weight"] = f"{'alias' if real else 'placeholder'}:{label}"
+        self.provenance.sources[f"{module}.weight"] = TensorSource(Origin.ALIAS if real else Origin.PLACEHOLDER, label)
 
     def leave_unloaded(self, module: str, stale: nn.Module) -> None:
         """What an engine's allocation holds; a stale fill takes `stale`'s bytes where it is materialised."""
         fill, owner = self.options.fill, self.drafter.get_submodule(module)
         materialize(owner, self.device)  # a lazily allocated drafter (checkpoint/loader.py) has no storage yet
         fill_unloaded(owner.weight, fill, stale.weight if has_real_weight(stale) else None)
-        self.provenance.sources[f"{module}.weight"] = f"unfilled:{fill}"
+        self.provenance.sources[f"{module}.weight"] = TensorSource(Origin.UNFILLED, str(fill))
 
     def embedding(self, own: Source | None, target: Source | None, own_copy_first: bool) -> None:
         """The drafter's `embed_tokens`: its `own` copy where shipped, else the target's (`target` in its

@@ -17,6 +17,7 @@ from specdoctor.runtime import tensor_parallel
 from specdoctor.runtime.checkpoint.loader import allocate, load_module
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.kind import EMBEDDING
+from specdoctor.runtime.drafter.policy import Origin, TensorSource
 from specdoctor.runtime.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from specdoctor.runtime.sharding import vocab_shard_range
 from specdoctor.runtime.tensor_parallel import TensorParallel
@@ -93,7 +94,8 @@ def repair_drafter(model, names: list[str] | dict[int, list[str]]) -> RepairResu
             continue
         checkpoint, key = source
         owner, _, leaf = name.rpartition(".")
-        if model.provenance.sources.get(name, "").startswith(("alias:", "placeholder:")):
+        placed = model.provenance.sources.get(name)
+        if placed is not None and placed.origin in (Origin.ALIAS, Origin.PLACEHOLDER):
             # Never write into the target's tensor (nor into a placeholder): a module of the drafter's own.
             rows, columns = checkpoint.tensors[key].shape
             own = VocabParallelEmbedding(rows, columns) if name == EMBEDDING else ParallelLMHead(columns, rows)
@@ -103,7 +105,7 @@ def repair_drafter(model, names: list[str] | dict[int, list[str]]) -> RepairResu
         )
         if name == EMBEDDING and tp.size > 1:
             result.tp_shard = check_vocab_shard(checkpoint, key, drafter.embed_tokens.weight, tp)
-        model.provenance.sources[name] = f"checkpoint:{key}"
+        model.provenance.sources[name] = TensorSource(Origin.CHECKPOINT, key)
         result.repaired[name] = key
     result.bytes_read = sum(c.bytes_read for c in checkpoints) - before
     result.seconds = round(time.perf_counter() - start, 4)

@@ -18,6 +18,9 @@ from specdoctor.runtime.models.stage import TargetStage
 class DraftModel(TargetStage):
     """Every layer of a draft model, embedding and head included; parameter names are its checkpoint keys."""
 
+    greedy_chain = None  # the DraftingModule protocol's: no argmax chain of its own, no cache-only fill
+    fills_cache_only = False
+
     def __init__(self, config: ModelConfig):
         super().__init__(config, range(config.num_hidden_layers), has_embedding=True, has_head=True)
 

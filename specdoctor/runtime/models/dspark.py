@@ -219,6 +219,10 @@ class DSparkDrafter(nn.Module):
     """Parameter names are the drafter checkpoint's keys; `embed_tokens` and `lm_head` are the target's
     tensors unless the checkpoint ships its own (vLLM's load_dspark_model shares them)."""
 
+    graph_methods = ("run_layers",)
+    greedy_chain = None  # the DraftingModule protocol's: no argmax chain of its own, no cache-only fill
+    fills_cache_only = False
+
     def __init__(self, config: DSparkConfig):
         super().__init__()
         # This TP rank's slice of the layers (vLLM shards them as Qwen3's; fc and the norms are replicated).

@@ -217,6 +217,10 @@ class Eagle3Drafter(nn.Module):
     """Parameter names are the speculators format's keys (the original layout's `midlayer.` is `layers.0.`);
     `embed_tokens` and `lm_head` are the target's where the checkpoint ships none."""
 
+    graph_methods = ("run_layers",)
+    greedy_chain = None  # the DraftingModule protocol's: no argmax chain of its own, no cache-only fill
+    fills_cache_only = False
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         # This TP rank's slice of the layers (vLLM shards them as Llama's; fc and the norms are replicated).

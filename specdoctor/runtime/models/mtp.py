@@ -33,6 +33,8 @@ def draft_chain(step, next_tokens, hidden, positions, base, cache: KVCache, k: i
 
 
 class MtpDrafter(nn.Module):
+    graph_methods = ("run_layers", "greedy_chain", "fill_layers")  # the DraftingModule protocol's
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         config = self.config = local_config(config, tensor_parallel.current().size)  # this TP rank's slice

@@ -17,6 +17,8 @@ from specdoctor.runtime.sharding import local_config
 
 
 class TargetStage(nn.Module):
+    graph_methods = ("run_layers",)  # what --compile routes through graphs (runtime/compile.py)
+
     def __init__(self, config: ModelConfig, layers: range, has_embedding: bool, has_head: bool):
         super().__init__()
         config = self.config = local_config(config, tensor_parallel.current().size)  # this TP rank's slice

@@ -13,8 +13,8 @@ import torch
 from specdoctor.checks.drafter import drafter_findings
 from specdoctor.errors import CheckpointError
 from specdoctor.runtime.checkpoint.reader import Checkpoint
-from specdoctor.runtime.drafter.checkpoint import DrafterCheckpoint
 from specdoctor.runtime.drafter.measure import measure_drafter
+from specdoctor.runtime.drafter.registry import drafter_checkpoint
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.models.dspark import read_dspark_config
 from specdoctor.runtime.options import RuntimeOptions
@@ -132,7 +132,7 @@ def test_each_unloaded_tensor_is_found_from_its_content_and_repaired(pair, pp, p
     findings, by_tp_rank = drafter_findings(measure_drafter(model), "after")
     found = by_tp_rank[0]  # TP 1: rank 0 alone
     assert found == [] and not [f for f in findings if f.severity == "error"]
-    target, drafter = Checkpoint(pair[0]), DrafterCheckpoint(pair[1])
+    target, drafter = Checkpoint(pair[0]), drafter_checkpoint(pair[1])
     for name, key in result.repaired.items():
         source = drafter if name.startswith("markov_head.") else target
         torch.testing.assert_close(model.drafter.get_parameter(name), source.read(key))
@@ -148,8 +148,8 @@ def test_each_unloaded_tensor_is_found_from_its_content_and_repaired(pair, pp, p
 )
 def test_embedding_policies(pair, pp, policy, provenance):
     model = last_rank(pair, pp, drafter_policy=policy)
-    assert model.provenance.sources["embed_tokens.weight"] == provenance
-    assert model.provenance.sources["lm_head.weight"] == "alias:lm_head"  # the drafter's rank holds the head
+    assert model.provenance.labels()["embed_tokens.weight"] == provenance
+    assert model.provenance.labels()["lm_head.weight"] == "alias:lm_head"  # the drafter's rank holds the head
     findings, by_tp_rank = drafter_findings(measure_drafter(model), "before")
     broken = by_tp_rank[0]  # TP 1: rank 0 alone
     if policy == "alias-placeholder":
@@ -173,7 +173,7 @@ def test_a_shipped_embedding_is_the_drafters_own(pair, tmp_path):
     index["weight_map"]["embed_tokens.weight"] = "embed.safetensors"
     (drafter / "model.safetensors.index.json").write_text(json.dumps(index))
     model = last_rank((pair[0], drafter, None), 2, drafter_policy="engine-legacy")
-    assert model.provenance.sources["embed_tokens.weight"] == "checkpoint:embed_tokens.weight"
+    assert model.provenance.labels()["embed_tokens.weight"] == "checkpoint:embed_tokens.weight"
     torch.testing.assert_close(model.drafter.embed_tokens.weight, own)
     assert drafter_findings(measure_drafter(model), "before")[1] == {0: []}
 

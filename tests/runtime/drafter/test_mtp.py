@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.decode.metrics import SpecMetrics
+from specdoctor.runtime.drafter.policy import Origin
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
 from tests.conftest import make_hf_checkpoint
@@ -67,7 +68,7 @@ def test_drafter_loads_every_tensor_from_the_checkpoint(hf_checkpoint):
     _, drafter, provenance = load_target_and_drafter(checkpoint)
     assert not provenance.unfilled()
     assert set(provenance.sources) == set(drafter.state_dict())
-    assert all(source.startswith(("checkpoint:", "alias:")) for source in provenance.sources.values())
+    assert all(source.origin in (Origin.CHECKPOINT, Origin.ALIAS) for source in provenance.sources.values())
     torch.testing.assert_close(drafter.embed_tokens.weight, checkpoint.read("model.embed_tokens.weight"))
 
 

@@ -163,7 +163,7 @@ def legacy_rank():
 
 def test_repair_drafter_fills_the_unloaded_tensors_from_the_checkpoint_bit_for_bit(legacy_rank):
     model = legacy_rank
-    assert model.provenance.sources[EMBEDDING] == model.provenance.sources[HEAD] == "unfilled:nan"
+    assert model.provenance.labels()[EMBEDDING] == model.provenance.labels()[HEAD] == "unfilled:nan"
     assert model.drafter.get_parameter(EMBEDDING).isnan().all() and model.drafter.get_parameter(HEAD).isnan().all()
     before = sum(c.bytes_read for c in model.kind.checkpoints)
 
@@ -175,7 +175,7 @@ def test_repair_drafter_fills_the_unloaded_tensors_from_the_checkpoint_bit_for_b
         live = model.drafter.get_parameter(name)
         assert live.dtype == model.dtype and live.device == model.device
         assert torch.equal(live, tensor.to(model.dtype))  # bf16 -> fp32 is exact: bit for bit
-        assert model.provenance.sources[name] == f"checkpoint:{result.repaired[name]}"
+        assert model.provenance.labels()[name] == f"checkpoint:{result.repaired[name]}"
     # One read of each tensor, nothing more: their sizes as stored (bf16).
     sizes = embedding.numel() * embedding.element_size() + head.numel() * head.element_size()
     assert result.bytes_read == sizes == sum(c.bytes_read for c in model.kind.checkpoints) - before
