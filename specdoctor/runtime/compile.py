@@ -1,6 +1,6 @@
 """`--compile`: each rank's passes through torch.compile (Inductor), so a pass runs a few fused kernels
 instead of a few hundred small ops, each of which costs more in dispatch than in arithmetic on a small model
-(docs/performance.md: the step profile).
+(docs/performance.md: the compiled decode step).
 
 What is compiled is the part of a pass after its entry point has done the host work: the stage's layers
 (`TargetStage.run_layers`) and the drafter's layers with its head (its `run_layers`). The entry point looks up
@@ -24,7 +24,7 @@ Each graph is compiled with torch's AOT compile (as vLLM's `VLLM_USE_AOT_COMPILE
 pass no active graph takes runs eager and asks the rank's compile thread for one, which swaps it in at a step
 boundary (runtime/background_compile.py). It is saved whole, Dynamo's output and guards with Inductor's kernels, in
 the user's cache directory (`graph_cache_dir`): a later start loads it instead of tracing the step's Python again
-(docs/performance.md: start-up). A module whose layers break the graph (AOT compile needs one whole graph) runs
+(docs/runtime.md: `--compile`). A module whose layers break the graph (AOT compile needs one whole graph) runs
 eager, with a warning.
 """
 
@@ -110,7 +110,7 @@ class LayerGraphs:
         # dynamic: batch, positions, span and cache length are sizes, not constants (each size 1 still gets
         # its own graph), so a rank compiles a handful of graphs, not one per request. On the CPU a graph's hundred
         # or so kernel and matmul calls are made from Inductor's C++ wrapper instead of a generated Python function
-        # (docs/performance.md: the C++ wrapper).
+        # (docs/runtime.md: `--compile`, the C++ wrapper).
         on_cpu = next(module.parameters()).device.type == "cpu"
         options = {"guard_filter_fn": kept_guards, "cpp_wrapper": on_cpu}
         self.compiler = torch.compile(self.eager, dynamic=True, fullgraph=True, options=options)

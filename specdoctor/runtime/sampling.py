@@ -53,7 +53,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dimension (the first index on ties, as argmax gives), through `max`: on the CPU
-    its kernel is three to five times faster than argmax's over a vocabulary (docs/performance.md)."""
+    its kernel is three to five times faster than argmax's over a vocabulary (docs/runtime.md: `--compile`)."""
     return logits.max(-1).indices
 
 

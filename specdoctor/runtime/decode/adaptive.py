@@ -3,7 +3,7 @@
 A speculative step costs a verify pass over k + 1 tokens a row and the drafter's chain; a plain step one token a
 row and a fill of the drafter's cache. Which yields more tokens a second depends on the batch's rows, the machine
 and the acceptance the requests see, so it is measured, per range of rows, on the steps the server runs:
-docs/performance.md, "Plain steps past the rows where speculation stops paying".
+docs/commands.md, "Adaptive speculation".
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Router(nn.Module):
 # most EVERY_EXPERT_LIMIT_BYTES runs every expert over every token (weighted 0 where not picked), and a
 # larger one loops over the experts hit, reading them in place (and its expert list on the host). Where
 # every expert may run, gathering stops sooner: once it would copy more expert matrices than every expert
-# reads (docs/performance.md, Serving: the MoE paths measured).
+# reads (docs/performance.md: MoE paths).
 GATHER_LIMIT_BYTES = 16 << 20
 
 
@@ -194,8 +194,7 @@ def measure_grouped_from(layer: MoE, rounds: int = 3) -> int | None:
     """The fewest tokens (of GROUPED_CANDIDATES) from which the grouped GEMM ran faster than every expert at each
     candidate size, timed on this layer with this rank's threads (the best of `rounds`); None where it never did,
     or where this layer does not run every expert (packed experts, or too many to run at once). On a 2-core CI
-    machine it won from 16 tokens on one thread, from 32 or 64 on two (docs/performance.md: the grouped GEMM on one
-    compute thread)."""
+    machine it won from 16 tokens on one thread, from 32 or 64 on two (docs/runtime.md: the MoE paths)."""
     if not layer.every_expert_fits():
         return None
     hidden = layer.gate.weight.shape[1]
