@@ -2,8 +2,8 @@
 
 A full (oldest-generation) collection walks every object the collector tracks. After torch, the model and its
 compiled graphs are loaded that is hundreds of thousands of objects, and such a pass stopped a serving process
-for 100-200 ms at a time on a 2-core machine, in the middle of requests (docs/runtime.md: a rank's heap, threads and attention backend), and could
-fall inside a step that `bench` times. Objects built at start-up live as long as the process, so they are frozen
+for 100-200 ms at a time on a 2-core machine, in the middle of requests (docs/runtime.md: a rank's heap), and
+could fall inside a step that `bench` times. Objects built at start-up live as long as the process, so they are frozen
 while it serves or runs commands: collections then walk only what that work allocates. vLLM does the same
 (`freeze_gc_heap` after start-up, `gc.unfreeze` at shutdown).
 """
