@@ -1,10 +1,10 @@
 """A request's text as its tokens arrive, decoded incrementally.
 
 Decoding a request's whole text again on every step costs its length each time, so a long reply costs its length
-squared, per stream, on the server's event loop (docs/engine-semantics.md: incremental detokenizing).
-tokenizers' `DecodeStream` (what vLLM's fast incremental detokenizer steps) decodes each new token against the few before it, and its pieces
-join to the whole decode (until a token it cannot step, where a new stream starts). A stop string is looked for only
-where it could end in the new text (as vLLM's `check_stop_strings`).
+squared, per stream, on the server's event loop (docs/engine-semantics.md: incremental detokenizing). tokenizers'
+`DecodeStream` (what vLLM's fast incremental detokenizer steps) decodes each new token against the few before it,
+and its pieces join to the whole decode (until a token it cannot step, where a new stream starts). A stop string is
+looked for only where it could end in the new text (as vLLM's `check_stop_strings`).
 """
 
 from __future__ import annotations
