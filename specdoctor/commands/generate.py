@@ -57,7 +57,7 @@ def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, s
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
     from specdoctor.runtime.decode.requests import GenerateRequest
     from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.worker import launched_by_torchrun, run_under_torchrun
+    from specdoctor.runtime.torchrun import launched_by_torchrun, run_under_torchrun
 
     if not prompts:
         raise SpecdoctorError("give at least one --prompt or --prompts-file")

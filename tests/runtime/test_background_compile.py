@@ -24,7 +24,7 @@ from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.decode.sampling import SamplingParams
 from specdoctor.runtime.launch import free_port
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.rank_loading import load_rank
 
 
 def swapping_in_at_step(model, gate: threading.Event, step: int) -> tuple:

@@ -28,9 +28,10 @@ from specdoctor.runtime.compile import LayerGraphs, compile_layers, measured_onc
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.moe_paths import fewest_grouped_tokens, grouped_from_key
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.warmup import warmup_prompts
-from specdoctor.runtime.worker import fewest_grouped_tokens, grouped_from_key, load_rank
 
 
 def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:
