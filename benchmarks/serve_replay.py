@@ -26,7 +26,7 @@ from rich.progress import Progress
 
 from benchmarks.common import machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.serve import HOST_CORES, ServeOptions, serve
+from specdoctor.commands.serve import serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.decode.batch import decode_batch
@@ -38,6 +38,7 @@ from specdoctor.runtime.protocol import Command, Join, Order
 from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.rank_process import rank_threads
 from specdoctor.runtime.warmup import warmup_prompts
+from specdoctor.workflow.serve import HOST_CORES, ServeOptions
 
 PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
 

@@ -19,8 +19,6 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.compile_progress import CompileProgress
-from specdoctor.commands.serve import warm_up_shapes
 from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
@@ -32,6 +30,8 @@ from specdoctor.runtime.moe_paths import fewest_grouped_tokens, grouped_from_key
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.warmup import warmup_prompts
+from specdoctor.workflow.compile_progress import CompileProgress
+from specdoctor.workflow.serve import warm_up_shapes
 
 
 def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:
