@@ -15,8 +15,9 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks.common import machine, write_json
-from specdoctor.commands.bench import BenchOptions, bench_table, run_bench
+from specdoctor.commands.bench import bench_table
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.workflow.bench import BenchOptions, run_bench
 
 MODES = {"eager": False, "compiled": True}
 TARGET_OF_BOUND = 0.85
