@@ -100,6 +100,7 @@ class CheckClock:
 
 
 def record_examination(report: CheckReport, clock: CheckClock, result: StageResult) -> None:
+    """The examination's result in the report, and its time on the clock."""
     report.stages.append(result)
     clock.lap(result.name)
 
