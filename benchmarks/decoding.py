@@ -14,8 +14,9 @@ import argparse
 from rich.console import Console
 
 from benchmarks.common import add_json_option, machine, write_json
-from specdoctor.commands.bench import BenchOptions, bench_table, run_bench
+from specdoctor.commands.bench import bench_table
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.workflow.bench import BenchOptions, run_bench
 
 MODES = {"eager": False, "compiled": True}
 TARGET_OF_BOUND = 0.85

@@ -25,7 +25,7 @@ from rich.progress import Progress
 from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.runtime.models.moe import MoE
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.rank_loading import load_rank
 
 
 def microseconds(function, args, calls: int) -> float:

@@ -25,15 +25,19 @@ from rich.progress import Progress
 
 from benchmarks.common import add_json_option, machine, numeric_table, write_json
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.serve import HOST_CORES, ServeOptions, serve
+from specdoctor.commands.serve import serve
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
 from specdoctor.runtime.decode.batch import decode_batch
-from specdoctor.runtime.decode.continuous import JOIN, RunningBatch, merge_updates
+from specdoctor.runtime.decode.continuous import RunningBatch, merge_updates
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
+from specdoctor.runtime.moe_paths import fewest_grouped_tokens
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.protocol import Command, Join, Order
+from specdoctor.runtime.rank_loading import load_rank
+from specdoctor.runtime.rank_process import rank_threads
 from specdoctor.runtime.warmup import warmup_prompts
-from specdoctor.runtime.worker import fewest_grouped_tokens, load_rank, rank_threads
+from specdoctor.workflow.serve import HOST_CORES, ServeOptions
 
 PREFIX_CACHING = inspect.signature(serve).parameters["enable_prefix_caching"].default  # serve's default
 
@@ -50,10 +54,10 @@ def replay(
     def joins(count: int) -> list:
         nonlocal sent
         new = [
-            (JOIN, (str(sent + n), SequenceRequest(prompts[(sent + n) % len(prompts)], max_tokens)))
+            Order(Command.JOIN, Join(str(sent + n), SequenceRequest(prompts[(sent + n) % len(prompts)], max_tokens)))
             for n in range(count)
         ]
-        prompt_of.update((request_id, sequence.prompt) for _, (request_id, sequence) in new)
+        prompt_of.update((join.request_id, join.sequence.prompt) for _, join in new)
         sent += count
         return new
 

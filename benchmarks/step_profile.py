@@ -26,7 +26,8 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import keep_freed_memory_mapped, load_rank
+from specdoctor.runtime.rank_loading import load_rank
+from specdoctor.runtime.rank_process import keep_freed_memory_mapped
 
 MODES = {"eager": False, "compiled": True}
 KS = (0, 3)

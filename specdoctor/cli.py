@@ -16,6 +16,7 @@ from rich.console import Console
 from specdoctor.commands import bench, check, generate, inspect, probe, serve
 from specdoctor.errors import SpecdoctorError
 from specdoctor.report import CheckReport, ProbeReport, Report, error_report
+from specdoctor.workflow.bench import SCHEMA as BENCH_SCHEMA
 
 try:  # typer >= 0.25 parses with its own copy of click, and raises that copy's exceptions
     from typer._click import exceptions as click_exceptions
@@ -42,7 +43,7 @@ JSON_REPORTS = {
     "check": CheckReport.schema,
     "repair": CheckReport.schema,
     "probe": ProbeReport.schema,
-    "bench": bench.SCHEMA,
+    "bench": BENCH_SCHEMA,
 }
 
 

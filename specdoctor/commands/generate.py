@@ -1,8 +1,8 @@
-"""`specdoctor generate`: run prompts through the pipeline runtime and report acceptance."""
+"""`specdoctor generate`: its flags, and the rendering of what the workflow generated (specdoctor/workflow/generate.py)
+with the acceptance metrics."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -13,8 +13,8 @@ from rich.table import Table
 
 from specdoctor.commands.options import JsonReportOption, runtime_command
 from specdoctor.commands.output import emit_json_or_table
-from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.workflow.generate import run_generate
 
 PromptOption = Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeat for a batch).")]
 PromptsFileOption = Annotated[Path | None, typer.Option(help='JSON lines, each {"prompt": ...}.')]
@@ -49,47 +49,6 @@ def generate(
     emit_json_or_table(
         json.dumps(report, indent=2) + "\n", json_out, lambda console: render_generation(report, console)
     )
-
-
-def run_generate(runtime: RuntimeOptions, prompts: list[str], max_tokens: int, sampling, show_progress: bool):
-    """Generate for every prompt; returns the report (None on the non-zero ranks under torchrun)."""
-    from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.checkpoint.tokenizer import load_codec
-    from specdoctor.runtime.decode.requests import GenerateRequest
-    from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.worker import launched_by_torchrun, run_under_torchrun
-
-    if not prompts:
-        raise SpecdoctorError("give at least one --prompt or --prompts-file")
-    checkpoint = Checkpoint(runtime.model)
-    checkpoint.require_runnable()
-    codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to turn prompts into tokens")
-    ids = [codec.encode(p) for p in prompts]
-    if launched_by_torchrun():
-        k = runtime.num_speculative_tokens
-        request = GenerateRequest(
-            ids, max_tokens, sampling, k, codec.eos_token_ids, draft_sample_method=runtime.draft_sample_method
-        )
-        result = run_under_torchrun(dataclasses.replace(runtime, model=str(checkpoint.path)), request)
-    else:
-        with Engine(runtime, checkpoint, show_progress=show_progress) as engine:
-            result = engine.generate(ids, max_tokens, sampling)
-    return None if result is None else build_report(runtime, prompts, codec, result)
-
-
-def build_report(runtime: RuntimeOptions, prompts: list[str], codec, result) -> dict:
-    return {
-        "model": runtime.model,
-        "tp": runtime.tp,
-        "pp": runtime.pp,
-        "num_speculative_tokens": runtime.num_speculative_tokens,
-        "drafter_policy": str(runtime.drafter_policy),
-        "outputs": [
-            {"prompt": prompt, "completion": codec.decode(tokens), "tokens": tokens, "finish_reason": reason}
-            for prompt, tokens, reason in zip(prompts, result.tokens, result.finish_reasons, strict=True)
-        ],
-        "metrics": result.metrics.to_dict(),
-    }
 
 
 def metrics_table(data: dict, title: str) -> Table:

@@ -1,20 +1,14 @@
-"""`specdoctor serve`: start the ranks with the fixed loading, check the drafter, then serve HTTP."""
+"""`specdoctor serve`: its flags; the start-up and serving are the workflow's (specdoctor/workflow/serve.py)."""
 
 from __future__ import annotations
 
-import functools
-import socket
-import time
-from dataclasses import dataclass
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from specdoctor.commands.compile_progress import CompileProgress
 from specdoctor.commands.options import runtime_command
-from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.workflow.serve import ServeOptions, run_serve
 
 HostOption = Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
 PortOption = Annotated[int, typer.Option(help="Port to listen on.")]
@@ -28,17 +22,6 @@ MaxWaitingOption = Annotated[
 AllowUnhealthyFlag = Annotated[
     bool, typer.Option("--allow-unhealthy", help="Serve even with error findings, without repairing.")
 ]
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    runtime: RuntimeOptions
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    allow_unhealthy: bool = False
-    max_num_seqs: int = 32
-    max_waiting: int = 256
 
 
 # k: MTP 3, DSpark its block size; compiled, as vLLM serves by default (docs/performance.md: start-up times)
@@ -55,89 +38,3 @@ def serve(
     """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics; requests are
     batched continuously (they join and leave the running batch between decode steps)."""
     run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting))
-
-
-TAP_PROBE = list(range(1, 17))  # token ids for the startup tap probe (every vocabulary has them)
-# One core stays with this process (HTTP, text, scheduling), as vLLM's CPU backend keeps cores for its scheduler
-# (one per worker): a rank's spinning threads otherwise take it from every request (docs/performance.md: serving).
-HOST_CORES = 1
-
-
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            raise SpecdoctorError(f"cannot listen on {host}:{port} ({err.strerror})") from None
-
-
-def run_serve(options: ServeOptions) -> None:
-    from specdoctor.runtime.checkpoint.files import DEMO_MODELS
-    from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.checkpoint.tokenizer import load_codec
-    from specdoctor.runtime.engine import Engine
-    from specdoctor.runtime.partition import placements
-    from specdoctor.server.app import ServerState, serve_http
-    from specdoctor.server.metrics import ServerMetrics
-    from specdoctor.server.protocol import chat_template
-    from specdoctor.workflow.drafter import startup_check
-
-    console = Console(stderr=True)
-    runtime = options.runtime
-    checkpoint = Checkpoint(runtime.model)
-    checkpoint.require_runnable()
-    placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
-    codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
-    check_port_free(options.host, options.port)
-    name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
-    console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
-    engine = Engine(runtime, checkpoint, show_progress=True, host_cores=HOST_CORES)
-    runtime = engine.options  # the draft tokens resolved (a DSpark drafter's block size by default)
-    try:
-        errors = startup_check(engine, not options.allow_unhealthy, TAP_PROBE, console)
-        for finding in errors:
-            console.print(f"[red]error[/red] {finding.check}: {finding.message}", highlight=False)
-        if errors and not options.allow_unhealthy:
-            raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
-        speculative = runtime.num_speculative_tokens > 0
-        metrics = ServerMetrics(name, speculative, compiled=runtime.compile)
-        template = chat_template(checkpoint.path)
-        state = ServerState(
-            engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
-        )
-        listening = (
-            f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
-            f"k {runtime.num_speculative_tokens}, {engine.rank_info[0]['threads']} compute thread(s) a rank"
-            + (", eager until the graphs compiled behind it are in)" if runtime.compile else ")")
-        )
-        warm_up = None
-        if runtime.compile:
-            warm_up = functools.partial(warm_up_shapes, engine, options.max_num_seqs, CompileProgress(console))
-        serve_http(state, options.host, options.port, lambda: console.print(listening, highlight=False), warm_up)
-    finally:
-        engine.close()  # at once on Ctrl-C or SIGTERM before serving (loading, checking, compiling)
-
-
-def warm_up_shapes(engine, max_num_seqs: int, progress: CompileProgress) -> None:
-    """--compile: run each shape of prompt pass and decode step a request can meet once, eager, before the first
-    request joins (seconds), so the ranks' compile threads have every graph to make before traffic meets it: two-token
-    prompts at batch 1 and the powers of two up to a full batch, then one-token prompts, and prompts past the length
-    where the MoE layers switch paths (`warmup_prompts`). Then `progress` shows the compile until every graph is in."""
-    from specdoctor.runtime.compile import graph_cache_dir
-    from specdoctor.runtime.warmup import warmup_prompts
-
-    k = engine.options.num_speculative_tokens
-    # with adaptive speculation, every kind of step: four steps emit at most 2k + 4 tokens (GenerateRequest)
-    cycled = engine.options.adaptive_speculation and k > 0
-    batches = warmup_prompts(max_num_seqs, engine.gathered_token_limit, engine.grouped_from)
-    started = time.perf_counter()
-    for prompts in batches:
-        engine.generate(prompts, 2 * k + 4 if cycled else 4, num_speculative_tokens=k, every_step_kind=cycled)
-    progress.console.print(
-        f"warmed up {len(batches)} batch shapes eager in {time.perf_counter() - started:.1f} s (k {k}); their graphs "
-        f"compile behind serving, kept in {graph_cache_dir()}",
-        highlight=False,
-    )
-    engine.on_compile_status = progress.update
-    progress.update(engine.compile_status)

@@ -1,4 +1,4 @@
-"""What the fork server the ranks start from (engine.rank_context) imports once: the runtime, and the parts
+"""What the fork server the ranks start from (launch.rank_context) imports once: the runtime, and the parts
 of torch that building a module on the meta device imports on first use (its reference ops and sympy:
 about 1.6 s a process otherwise). Only that server imports this module."""
 

@@ -92,6 +92,6 @@ class RowSampler:
 def _seeded(seed: int | None, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     # An unseeded row draws its seed from the process's generator, which every rank seeds alike at start (the TP
-    # ranks of the last stage sample alike, so their drafters stay in step: runtime/worker.py).
+    # ranks of the last stage sample alike, so their drafters stay in step: runtime/rank_loading.py).
     generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
     return generator

@@ -1,7 +1,9 @@
-"""Diagnose and repair, once for every command: pre-flight (headers) → load → measure the drafter → findings →
-repair → measure again → findings. `check` and `repair` run it with the correctness battery (check.py); `serve`
-runs its start-up part on the engine it serves from (drafter.py); a model larger than the machine gets the
-loaded-drafter stage on the drafter's rank alone (alone.py). Commands only parse flags and render.
+"""What the commands run, once for every command; `commands/` only parse flags and render what this returns.
+
+`check` and `repair` (check.py): pre-flight (headers) → load → examine the drafter → repair → examine again, with
+the correctness battery; a model larger than the machine gets the examinations on the drafter's rank alone
+(alone.py). `serve` (serve.py) runs the examine-and-repair loop (examine_and_repair.py) on the engine it then
+serves from; `generate` (generate.py) and `bench` (bench.py) run the runtime and report what it did.
 
 The runtime and the checks are imported inside the functions: the CLI itself starts without torch.
 """

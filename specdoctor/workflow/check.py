@@ -1,7 +1,6 @@
-"""Diagnose and repair, once for every command: pre-flight (headers) → load → measure the drafter →
-findings → repair → measure again → findings. `check` and `repair` run it with the correctness battery;
-`serve` runs its start-up part on the engine it is about to serve from. Commands only parse flags and
-render what this returns.
+"""`check` and `repair`: pre-flight (headers) → load → examine the drafter with the correctness battery →
+repair → examine again (examine_and_repair.py), on the ranks or, for a model larger than the machine, on the
+drafter's rank alone (alone.py). Commands only parse flags and render what this returns.
 
 The runtime and the checks are imported inside the functions: the CLI itself starts without torch.
 """
@@ -21,12 +20,16 @@ from specdoctor.report import CheckReport, Finding, StageResult
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.workflow.drafter import (
     TAP_PROBE_TOKENS,
-    StageClock,
+    BrokenTensors,
+    CheckClock,
+    DrafterExam,
     examine_drafter,
     preflight_findings,
-    repair_findings,
-    stage_skipped,
+    record_examination,
+    record_repair,
+    skipped,
 )
+from specdoctor.workflow.examine_and_repair import examine_and_repair
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class CheckOptions:
 
 
 def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
-    """`check` (and `repair`): the pre-flight, then the runtime stages where the runtime can run the pair."""
+    """`check` (and `repair`): the pre-flight, then the examinations on the runtime where it can run the pair."""
     from specdoctor.battery import battery_prompts
     from specdoctor.runtime.checkpoint.reader import Checkpoint
     from specdoctor.runtime.checkpoint.tokenizer import load_codec
@@ -78,7 +81,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
         return report  # nothing to run: the pre-flight error says why
     unrunnable = checkpoint.unrunnable_reason() or drafter.unrunnable_reason()
     if unrunnable:
-        report.preflight.append(stage_skipped("the loaded-drafter and behaviour stages", unrunnable))
+        report.preflight.append(skipped("the loaded-drafter and behaviour stages", unrunnable))
         return report
     prompts, fallback = battery_prompts(options.battery, checkpoint, load_codec(checkpoint, runtime.tokenizer))
     if fallback:
@@ -88,7 +91,7 @@ def run_check(options: CheckOptions, show_progress: bool) -> CheckReport:
     report.memory = plan.to_dict()
     try:
         if plan.fits:
-            run_stages(report, options, checkpoint, prompts, show_progress)
+            run_on_engine(report, options, checkpoint, prompts, show_progress)
         else:
             run_drafter_rank_alone(report, options, checkpoint, drafter, plan)
     except SpecdoctorError as err:
@@ -102,51 +105,31 @@ def battery_length(prompts: list[list[int]], options: CheckOptions) -> int:
     return max(map(len, prompts)) + options.max_tokens + 2 * options.runtime.num_speculative_tokens
 
 
-def run_stages(report: CheckReport, options: CheckOptions, checkpoint, prompts, show_progress: bool) -> None:
-    """Start the ranks; the target-only battery; the before stage; with --repair, repair and the after stage."""
+def run_on_engine(report: CheckReport, options: CheckOptions, checkpoint, prompts, show_progress: bool) -> None:
+    """Start the ranks; the target-only battery; the before examination; with --repair, repair and the after one."""
     from specdoctor.runtime.engine import Engine
 
-    clock = StageClock(report.timings)
+    clock = CheckClock(report.timings)
     runtime = options.runtime
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         task = progress.add_task(f"starting {runtime.pp * runtime.tp} rank(s)", total=4 + 3 * options.repair)
-        stage = StageRunner(Engine(runtime, checkpoint), options, prompts, [], progress, task)
+        check = EngineCheck(Engine(runtime, checkpoint), options, prompts, [], progress, task, report, clock)
         try:
             clock.lap("start_ranks")
             progress.update(task, advance=1, description=f"battery: target only ({len(prompts)} prompts)")
-            stage.plain = stage.engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
+            check.plain = check.engine.generate(prompts, options.max_tokens, num_speculative_tokens=0).tokens
             clock.lap("target_only_battery")
             progress.advance(task)
-            report.stages.append(stage.run("before", str(runtime.drafter_policy)))
-            clock.lap("before")
-            if options.repair:
-                repair_and_recheck(report, stage, lambda: Engine(runtime, checkpoint), clock)
+            examine_and_repair(check.examine, check.repair if options.repair else None)
         finally:
-            stage.engine.close()
+            check.engine.close()
         clock.lap("stop_ranks")
 
 
-def repair_and_recheck(report: CheckReport, stage: StageRunner, restart, clock: StageClock) -> None:
-    """Repair what the before stage found broken and run the stage again. A drafter that crashed the
-    pipeline is loaded again, as broken as before, in fresh ranks first."""
-    if not stage.engine.alive:
-        stage.engine.close()
-        stage.engine = restart()
-        clock.lap("restart_ranks")
-    stage.progress.update(stage.task, description="repair: reading the drafter's tensors from the checkpoint")
-    before = report.stages[0].drafter
-    report.repair = stage.engine.repair_drafter(before.get("broken_by_tp_rank") or before["broken"])
-    report.repair_findings = repair_findings(report.repair)
-    clock.lap("repair")
-    stage.progress.advance(stage.task)
-    if report.repair.repaired:
-        report.stages.append(stage.run("after", "repaired"))
-        clock.lap("after")
-
-
 @dataclass
-class StageRunner:
-    """Runs the loaded-drafter checks and the speculative battery on a live engine."""
+class EngineCheck:
+    """The loaded-drafter examination and the speculative battery on a live engine, and the drafter's repair there;
+    each recorded into the report."""
 
     engine: object
     options: CheckOptions
@@ -154,23 +137,41 @@ class StageRunner:
     plain: list[list[int]]  # target-only output, the lossless reference
     progress: Progress
     task: int
+    report: CheckReport
+    clock: CheckClock
 
-    def run(self, name: str, policy: str) -> StageResult:
+    def examine(self, examination: str) -> DrafterExam:
         from specdoctor.checks.behaviour import crashed_battery, run_battery
         from specdoctor.errors import PipelineError
 
-        self.progress.update(self.task, description=f"{name}: inspecting the loaded drafter")
-        exam = examine_drafter(self.engine, name, self.prompts[0][:TAP_PROBE_TOKENS])
-        self.progress.update(self.task, advance=1, description=f"{name}: battery with speculative decoding")
+        self.progress.update(self.task, description=f"{examination}: inspecting the loaded drafter")
+        exam = examine_drafter(self.engine, examination, self.prompts[0][:TAP_PROBE_TOKENS])
+        self.progress.update(self.task, advance=1, description=f"{examination}: battery with speculative decoding")
         options, k = self.options, self.options.runtime.num_speculative_tokens
         try:
             behaviour = run_battery(
-                self.engine, self.prompts, self.plain, options.max_tokens, k, options.min_acceptance_length, name
+                self.engine, self.prompts, self.plain, options.max_tokens, k, options.min_acceptance_length, examination
             )
         except PipelineError as crash:  # a drafter tensor that is not one (an aliased placeholder) ends the engine
-            behaviour = crashed_battery(str(crash), name)
+            behaviour = crashed_battery(str(crash), examination)
         self.progress.advance(self.task)
-        return StageResult(name, policy, exam.findings + behaviour.pop("findings"), exam.record, behaviour)
+        policy = str(options.runtime.drafter_policy) if examination == "before" else "repaired"
+        findings = exam.findings + behaviour.pop("findings")
+        record_examination(self.report, self.clock, StageResult(examination, policy, findings, exam.record, behaviour))
+        return exam
+
+    def repair(self, broken: BrokenTensors):
+        """A drafter that crashed the pipeline is loaded again, as broken as before, in fresh ranks first."""
+        from specdoctor.runtime.engine import Engine
+
+        if not self.engine.alive:
+            self.engine.close()
+            self.engine = Engine(self.options.runtime, self.engine.checkpoint)
+            self.clock.lap("restart_ranks")
+        self.progress.update(self.task, description="repair: reading the drafter's tensors from the checkpoint")
+        repaired = record_repair(self.report, self.clock, self.engine.repair_drafter(broken))
+        self.progress.advance(self.task)
+        return repaired
 
 
 def settings_dict(options) -> dict:

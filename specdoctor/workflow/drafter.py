@@ -1,5 +1,6 @@
-"""The loaded-drafter stage on a live engine (measure, findings, the tap probe), its repair, and `serve`'s
-start-up check, which is that stage alone."""
+"""The loaded-drafter examination on a live engine (measure, findings, the tap probe), the findings of its repair,
+and the pre-flight. A check's examinations (preflight, before, after; startup for `serve`) and its repair name the
+findings (their `stage` field, as the report writes it); "stage" in the code is a pipeline stage."""
 
 from __future__ import annotations
 
@@ -7,41 +8,41 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from rich.console import Console
+from specdoctor.report import CheckReport, Finding, StageResult
 
-from specdoctor.report import Finding
-
-TAP_PROBE_TOKENS = 16  # of the first battery prompt, through the pipeline once per stage
+TAP_PROBE_TOKENS = 16  # of the first battery prompt, through the pipeline once per examination
+# Drafter tensors a checkpoint read can refill, by TP rank (each TP rank repairs its own shard).
+BrokenTensors = dict[int, list[str]]
 
 
 @dataclass
 class DrafterExam:
-    """What the loaded-drafter stage found on a live engine."""
+    """What the loaded-drafter examination found."""
 
     findings: list[Finding]
-    broken: dict[int, list[str]]  # by TP rank: drafter tensors a checkpoint read can refill
+    broken: BrokenTensors
     record: dict  # the report's view: tensors, provenance, broken (and taps, for a drafter that reads them)
 
 
-def examine_drafter(engine, stage: str, tap_prompt: list[int]) -> DrafterExam:
+def examine_drafter(engine, examination: str, tap_prompt: list[int]) -> DrafterExam:
     """Measure the live drafter on its rank against the checkpoint; where it reads the target's taps, probe
     which layer each really holds (`tap_prompt` through the pipeline once)."""
     from specdoctor.checks.taps import tap_findings
 
-    exam = exam_of(engine.measure_drafter(), stage)
+    exam = exam_of(engine.measure_drafter(), examination)
     if engine.drafter.taps:
         readings = engine.probe_taps(tap_prompt)
-        exam.findings += tap_findings(readings, stage)
+        exam.findings += tap_findings(readings, examination)
         exam.record["taps"] = [dataclasses.asdict(reading) for reading in readings]
     return exam
 
 
-def exam_of(state, stage: str) -> DrafterExam:
+def exam_of(state, examination: str) -> DrafterExam:
     """The findings about a measured drafter (runtime/drafter/measure.py), what a repair can refill, and the
     report's record of it."""
     from specdoctor.checks.drafter import drafter_findings
 
-    findings, broken = drafter_findings(state, stage)
+    findings, broken = drafter_findings(state, examination)
     record = {**state.report(), "broken": sorted(set().union(*broken.values()))}
     if state.tp_ranks:  # which TP rank's shard is broken
         record["broken_by_tp_rank"] = {rank: names for rank, names in broken.items() if names}
@@ -56,31 +57,15 @@ def preflight_findings(checkpoint, ranks, drafter) -> list[Finding]:
     return preflight(checkpoint, ranks, drafter) + sampled_preflight(drafter)
 
 
-def startup_check(engine, repair: bool, tap_prompt: list[int], console: Console) -> list[Finding]:
-    """`serve`'s start-up: the pre-flight and the loaded-drafter stage on the engine it serves from; with
-    `repair`, what a checkpoint read fixes is repaired and measured again. Returns the error findings left."""
-    from specdoctor.checks.preflight import preflight
-
-    errors = [f for f in preflight(engine.checkpoint, engine.placements, engine.drafter) if f.severity == "error"]
-    if engine.options.num_speculative_tokens == 0 or not engine.speculates:
-        return errors
-    exam = examine_drafter(engine, "startup", tap_prompt)
-    if any(exam.broken.values()) and repair:
-        result = engine.repair_drafter(exam.broken)
-        console.print(f"repaired {', '.join(result.repaired)} from the checkpoint ({result.bytes_read:,} bytes)")
-        exam = examine_drafter(engine, "startup", tap_prompt)
-    return errors + [f for f in exam.findings if f.severity == "error"]
-
-
-def stage_skipped(stages: str, reason: str, stage: str = "preflight") -> Finding:
-    """A stage that did not run is an error: what was not verified is never reported healthy (exit 1)."""
+def skipped(what: str, reason: str, examination: str = "preflight") -> Finding:
+    """A part of the check that did not run is an error: what was not verified is never reported healthy (exit 1)."""
     return Finding(
         "runtime.skipped",
         "error",
-        f"{stages} did not run: {reason}",
+        f"{what} did not run: {reason}",
         "not verified: the verdict rests on the stages that ran",
-        stage,
-        {"stages": stages, "reason": reason},
+        examination,
+        {"stages": what, "reason": reason},
     )
 
 
@@ -102,13 +87,26 @@ def repair_findings(repair) -> list[Finding]:
     return findings
 
 
-class StageClock:
-    """Seconds spent in each stage of a check, recorded into the report."""
+class CheckClock:
+    """Seconds spent in each part of a check (starting the ranks included), recorded into the report."""
 
     def __init__(self, timings: dict[str, float]):
         self.timings, self.last = timings, time.perf_counter()
 
-    def lap(self, stage: str) -> None:
+    def lap(self, part: str) -> None:
         now = time.perf_counter()
-        self.timings[stage] = round(now - self.last, 3)
+        self.timings[part] = round(now - self.last, 3)
         self.last = now
+
+
+def record_examination(report: CheckReport, clock: CheckClock, result: StageResult) -> None:
+    """The examination's result in the report, and its time on the clock."""
+    report.stages.append(result)
+    clock.lap(result.name)
+
+
+def record_repair(report: CheckReport, clock: CheckClock, repair):
+    """Returns `repair`, the RepairResult, with its findings in the report."""
+    report.repair, report.repair_findings = repair, repair_findings(repair)
+    clock.lap("repair")
+    return repair

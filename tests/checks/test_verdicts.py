@@ -14,7 +14,7 @@ from specdoctor.checks.drafter import drafter_findings
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.workflow.check import run_check
 from tests.commands.test_check import TOKENIZER_FILES, check_options, specdoctor, with_word_tokenizer
 from tests.conftest import make_hf_checkpoint

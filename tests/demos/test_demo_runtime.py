@@ -12,7 +12,7 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.rank_loading import load_rank
 from tests.helpers.checkpoints import zeroed_enorm_copy
 
 TEXTS = [

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from specdoctor.runtime import worker
+from specdoctor.runtime import rank_loading, worker
 
 
 def held_rank_main(held_rank: int, hold: float | str, pid_file: str, options, rank: int, *rest) -> None:
@@ -16,7 +16,7 @@ def held_rank_main(held_rank: int, hold: float | str, pid_file: str, options, ra
     writes its pid to `pid_file` first."""
     if rank == held_rank:
         Path(pid_file).write_text(str(os.getpid()))
-        build = worker.build_rank
+        build = rank_loading.build_rank
 
         def held_build(*args, **kwargs):
             if hold == "stop":
@@ -25,5 +25,5 @@ def held_rank_main(held_rank: int, hold: float | str, pid_file: str, options, ra
                 time.sleep(hold)
             return build(*args, **kwargs)
 
-        worker.build_rank = held_build
+        rank_loading.build_rank = held_build
     worker.rank_main(options, rank, *rest)

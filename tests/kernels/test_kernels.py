@@ -150,7 +150,7 @@ def test_runtime_and_checks_run_on_the_triton_kernels(monkeypatch):
     from specdoctor.runtime.decode.requests import GenerateRequest
     from specdoctor.runtime.drafter.measure import tensor_stats
     from specdoctor.runtime.options import RuntimeOptions
-    from specdoctor.runtime.worker import load_rank
+    from specdoctor.runtime.rank_loading import load_rank
 
     model, _ = load_rank(RuntimeOptions("demo"), 0)
     request = GenerateRequest([[5, 6, 7, 8], [100, 101]], 6, num_speculative_tokens=2)
@@ -174,7 +174,7 @@ def test_packed_weights_run_on_the_w4a16_kernel(monkeypatch):
     from specdoctor.runtime.decode.requests import GenerateRequest
     from specdoctor.runtime.models.packed import PackedLinear
     from specdoctor.runtime.options import RuntimeOptions
-    from specdoctor.runtime.worker import load_rank
+    from specdoctor.runtime.rank_loading import load_rank
 
     model, _ = load_rank(RuntimeOptions("demo-w4a16"), 0)
     request = GenerateRequest([[5, 6, 7, 8]], 3, num_speculative_tokens=2)

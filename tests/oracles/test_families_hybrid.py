@@ -19,7 +19,7 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.decode.pipeline import prompt_logits
 from specdoctor.runtime.models.qwen3_next import ARCHITECTURES
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.workflow.check import run_check
 from specdoctor.workflow.inspect import summarize
 from tests.commands.test_check import check_options

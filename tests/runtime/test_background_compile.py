@@ -23,8 +23,8 @@ from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.launch import free_port
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.sampling import SamplingParams
-from specdoctor.runtime.worker import load_rank
 
 
 def swapping_in_at_step(model, gate: threading.Event, step: int) -> tuple:

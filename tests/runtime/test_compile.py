@@ -19,8 +19,6 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from specdoctor.battery import battery_prompts
-from specdoctor.commands.compile_progress import CompileProgress
-from specdoctor.commands.serve import warm_up_shapes
 from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
@@ -28,9 +26,12 @@ from specdoctor.runtime.compile import LayerGraphs, compile_layers, measured_onc
 from specdoctor.runtime.decode.batch import decode_batch
 from specdoctor.runtime.decode.requests import GenerateRequest
 from specdoctor.runtime.engine import Engine
+from specdoctor.runtime.moe_paths import fewest_grouped_tokens, grouped_from_key
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.warmup import warmup_prompts
-from specdoctor.runtime.worker import fewest_grouped_tokens, grouped_from_key, load_rank
+from specdoctor.workflow.compile_progress import CompileProgress
+from specdoctor.workflow.serve import warm_up_shapes
 
 
 def decode_profiled(compile: bool, prompts: list[list[int]]) -> tuple[list, float, int, int]:

@@ -217,6 +217,7 @@ def test_a_stopped_pipeline_is_named_by_the_controller_deadline(hf_checkpoint):
 
 def test_the_first_rank_beats_once_a_second_unless_streaming():
     from specdoctor.runtime.decode.requests import GenerateResult
+    from specdoctor.runtime.protocol import Reply
     from specdoctor.runtime.worker import StepReporter
 
     sent = []
@@ -227,9 +228,9 @@ def test_the_first_rank_beats_once_a_second_unless_streaming():
     assert sent == []  # steps within the first second: nothing to say
     quiet.last_beat -= 1.0
     quiet(result)
-    assert sent == [("alive", None)]
+    assert sent == [(Reply.ALIVE, None)]
     streaming(result)
-    assert sent[-1] == ("partial", [[1, 2]])
+    assert sent[-1] == (Reply.PARTIAL, [[1, 2]])
 
 
 def test_ranks_share_the_cores_less_those_left_to_the_controller():

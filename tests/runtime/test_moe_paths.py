@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specdoctor.runtime.models.moe import GROUPED_CANDIDATES, MoE, measure_grouped_from
+from specdoctor.runtime.moe_paths import choose_moe_paths
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import choose_moe_paths, load_rank
+from specdoctor.runtime.rank_loading import load_rank
 
 
 def moe_layers(model) -> list[MoE]:
@@ -26,7 +27,7 @@ def test_a_cpu_rank_measures_the_grouped_gemm_once_per_expert_shape_and_a_later_
     assert grouped_from is None or grouped_from in GROUPED_CANDIDATES
     assert {layer.grouped_from for layer in layers} == {grouped_from}
     # A later start takes the kept answer (its saved graphs check it) rather than timing again.
-    monkeypatch.setattr("specdoctor.runtime.worker.measure_grouped_from", lambda layer: pytest.fail("timed again"))
+    monkeypatch.setattr("specdoctor.runtime.moe_paths.measure_grouped_from", lambda layer: pytest.fail("timed again"))
     assert load_rank(RuntimeOptions("demo", pp=1), 0)[1]["grouped_from"] == {shape: grouped_from}
 
 

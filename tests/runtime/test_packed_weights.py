@@ -17,7 +17,7 @@ from specdoctor.runtime.models.packed import PackedLinear
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
 from specdoctor.runtime.quantization import QuantizedWeight, dequantize
-from specdoctor.runtime.worker import build_rank
+from specdoctor.runtime.rank_loading import build_rank
 from tests.commands.test_check import specdoctor
 from tests.helpers.reports import findings_of
 from tests.kernels.test_kernels import random_words

@@ -14,8 +14,8 @@ from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.decode.pipeline import RankModel
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.rank_loading import build_rank
 from specdoctor.runtime.tap_probe import TapReading, fingerprints, local_entries, probe_taps
-from specdoctor.runtime.worker import build_rank
 
 
 def rank_models(layers: int, pp: int, partition: str | None) -> list[RankModel]:

@@ -25,10 +25,10 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.memory import plan_memory
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.partition import placements
+from specdoctor.runtime.rank_loading import build_rank
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.runtime.sharding import shard_range, vocab_shard_range
 from specdoctor.runtime.tensor_parallel import TensorParallel
-from specdoctor.runtime.worker import build_rank
 from specdoctor.workflow.check import CheckOptions, run_check
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.draft_models import save_cut_down, save_target

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import gc
 
-from specdoctor.runtime.decode.continuous import JOIN, SHUTDOWN
 from specdoctor.runtime.decode.requests import GenerateRequest, SequenceRequest
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import load_rank, serve
+from specdoctor.runtime.protocol import Command, ContinuousStart, Join, Order, Reply
+from specdoctor.runtime.rank_loading import load_rank
+from specdoctor.runtime.worker import serve
 from tests.helpers.heap import collector_walks
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -22,37 +23,37 @@ def test_a_rank_keeps_what_start_up_and_each_command_kept_out_of_full_collection
     stage = model.stage  # one of start-up's objects, alive for the whole run
     seen: dict[str, list[tuple[bool, ...]]] = {"generate": [], "continuous": []}
     kept_by_the_batch: list[list] = []  # made while the batch ran, alive after it
-    commands = iter(
+    orders = iter(
         [
-            ("generate", GenerateRequest([PROMPT], 4, num_speculative_tokens=3, stream=True)),  # a reply every step
-            ("continuous", (3, False, False)),  # k, sampled drafts, adaptive speculation
-            ("shutdown", None),
+            Order(Command.GENERATE, GenerateRequest([PROMPT], 4, num_speculative_tokens=3, stream=True)),  # every step
+            Order(Command.CONTINUOUS, ContinuousStart(3, sampled_drafts=False, adaptive=False)),
+            Order(Command.SHUTDOWN),
         ]
     )
-    joins = iter([[(JOIN, ("0", SequenceRequest(PROMPT, 4)))], []])
+    joins = iter([[Order(Command.JOIN, Join("0", SequenceRequest(PROMPT, 4)))], []])
 
     def walked(*objects) -> tuple[bool, ...]:
         made_now: list = []
         return (*(collector_walks(obj) for obj in objects), collector_walks(made_now))
 
-    replies: dict[str, list] = {"result": [], "updates": []}
+    replies: dict[Reply, list] = {Reply.RESULT: [], Reply.UPDATES: []}
 
-    def reply(kind: str, payload) -> None:
-        if kind in ("partial", "result"):
+    def reply(what: Reply, payload) -> None:
+        if what in (Reply.PARTIAL, Reply.RESULT):
             seen["generate"].append(walked(stage))
             kept_by_the_batch.append([])
-        else:  # "updates"
+        else:  # UPDATES
             seen["continuous"].append(walked(stage, kept_by_the_batch[0]))
-        replies.setdefault(kind, []).append(payload)
+        replies.setdefault(what, []).append(payload)
 
     def poll(idle: bool) -> list:
         seen["continuous"].append(walked(stage, kept_by_the_batch[0]))
-        return next(joins, [(SHUTDOWN, None)])
+        return next(joins, [Order(Command.SHUTDOWN)])
 
-    serve(model, lambda: next(commands), reply, poll)
+    serve(model, lambda: next(orders), reply, poll)
     assert len(seen["generate"]) >= 3 and all(step == (False, True) for step in seen["generate"])
     assert len(seen["continuous"]) >= 3 and all(step == (False, False, True) for step in seen["continuous"])
     assert gc.get_freeze_count() == 0 and collector_walks(stage)
-    [result] = replies["result"]
+    [result] = replies[Reply.RESULT]
     assert len(result.tokens[0]) == 4  # the batch ran to its limit
-    assert sum(len(update.new_tokens) for step in replies["updates"] for update in step.values()) >= 1  # it served
+    assert sum(len(update.new_tokens) for step in replies[Reply.UPDATES] for update in step.values()) >= 1  # it served

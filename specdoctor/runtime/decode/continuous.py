@@ -21,6 +21,7 @@ from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel
 from specdoctor.runtime.decode.requests import SequenceRequest
+from specdoctor.runtime.protocol import Command, ContinuousStart, Join, Order
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,6 @@ class RowUpdate:
     cached_tokens: int = 0  # prompt tokens prefix caching restored
 
 
-# Control messages, queued by the controller and broadcast by the first rank before each step.
-JOIN, CANCEL, SHUTDOWN = "join", "cancel", "shutdown"
-
-
 class RunningBatch:
     def __init__(self, model: RankModel, k: int, sampled_drafts: bool, adaptive: bool = False):
         self.model, self.k, self.sampled_drafts = model, k, sampled_drafts
@@ -48,17 +45,19 @@ class RunningBatch:
         self.ids: list[str] = []
         self.reported: list[int] = []  # tokens of each row already reported
 
-    def apply(self, messages: list[tuple[str, object]]) -> None:
+    def apply(self, orders: list[Order]) -> None:
         """Drop cancelled rows, then prefill and append the joiners (those not cancelled already)."""
-        cancelled = {payload for kind, payload in messages if kind == CANCEL}
-        joins = [payload for kind, payload in messages if kind == JOIN and payload[0] not in cancelled]
+        cancelled = {payload for command, payload in orders if command == Command.CANCEL}
+        joins: list[Join] = [
+            payload for command, payload in orders if command == Command.JOIN and payload.request_id not in cancelled
+        ]
         self._keep([row for row, request_id in enumerate(self.ids) if request_id not in cancelled])
         if joins:
-            sequences: list[SequenceRequest] = [sequence for _, sequence in joins]
+            sequences: list[SequenceRequest] = [join.sequence for join in joins]
             joined = BatchState(self.model, sequences, self.k, self.sampled_drafts)
             joined.prefill()
             self.batch = joined if self.batch is None else BatchState.regroup([self.batch, joined])
-            self.ids += [request_id for request_id, _ in joins]
+            self.ids += [join.request_id for join in joins]
             self.reported += [0] * len(joins)
 
     def speculates_next(self, joining: list[SequenceRequest] = ()) -> bool:
@@ -118,26 +117,25 @@ class RunningBatch:
 @torch.no_grad()
 def run_continuous(
     model: RankModel,
-    k: int,
-    sampled_drafts: bool,
-    adaptive: bool,
-    poll: Callable[[bool], list[tuple[str, object]]] | None,
+    start: ContinuousStart,
+    poll: Callable[[bool], list[Order]] | None,
     report: Callable[[dict[str, RowUpdate]], None] | None,
 ) -> None:
-    """Serve until the controller says shutdown. Only the first rank has `poll(idle)` (the queued control
-    messages; it waits for one when idle); only the reporting rank has `report` (every step's news, and
-    an empty beat at least once a second so the controller can tell a quiet pipeline from a dead one)."""
-    running, last_report = RunningBatch(model, k, sampled_drafts, adaptive), time.monotonic()
+    """Serve until the controller says shutdown. Only the first rank has `poll(idle)` (the queued orders; it
+    waits for one when idle); only the reporting rank has `report` (every step's news, and an empty beat at least
+    once a second so the controller can tell a quiet pipeline from a dead one)."""
+    running, last_report = RunningBatch(model, start.k, start.sampled_drafts, start.adaptive), time.monotonic()
     while True:
-        command = None
+        step = None
         if poll:  # the first rank's policy chooses for every rank: each rank times only its own share of a step
-            messages = poll(running.batch is None)
-            command = messages, running.speculates_next([p[1] for kind, p in messages if kind == JOIN])
-        messages, propose_next = model.comm.broadcast_command(command)
-        if any(kind == SHUTDOWN for kind, _ in messages):
+            orders = poll(running.batch is None)
+            joining = [payload.sequence for command, payload in orders if command == Command.JOIN]
+            step = orders, running.speculates_next(joining)
+        orders, propose_next = model.comm.broadcast_command(step)
+        if any(command == Command.SHUTDOWN for command, _ in orders):
             return
         model.swap_ready()  # a step boundary: graphs compiled meanwhile run from this step on
-        running.apply(messages)
+        running.apply(orders)
         news = running.updates()  # a joiner's first token, or a row finished by its prompt pass
         running.step(propose_next)
         news.update(merge_updates(news, running.updates()))

@@ -11,11 +11,12 @@ import torch
 
 from specdoctor.runtime.decode.adaptive import MEASURED_STEPS, RETRY_EVERY, SpeculationPolicy, rows_range
 from specdoctor.runtime.decode.batch import BatchState
-from specdoctor.runtime.decode.continuous import JOIN, RunningBatch
+from specdoctor.runtime.decode.continuous import RunningBatch
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.options import FEWEST_PLAIN_ROWS, RuntimeOptions
+from specdoctor.runtime.protocol import Command, Join, Order
+from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.runtime.sampling import SamplingParams
-from specdoctor.runtime.worker import load_rank
 
 K = 3
 PROMPTS = [[5, 9, 14, 3, 8], [40, 41], [7, 7, 7, 7, 7, 7, 7], [100, 3, 250, 19]]
@@ -79,7 +80,7 @@ EIGHT = [SequenceRequest(PROMPTS[n % 4] + [n], 40) for n in range(FEWEST_PLAIN_R
 def eight_rows(model) -> RunningBatch:
     """The serving loop with EIGHT running (FEWEST_PLAIN_ROWS rows)."""
     running = RunningBatch(model, K, sampled_drafts=False, adaptive=True)
-    running.apply([(JOIN, (str(n), sequence)) for n, sequence in enumerate(EIGHT)])
+    running.apply([Order(Command.JOIN, Join(str(n), sequence)) for n, sequence in enumerate(EIGHT)])
     return running
 
 
@@ -111,7 +112,7 @@ def test_a_seeded_request_joining_plain_steps_samples_as_it_does_alone(model):
         running.updates()
     assert not running.batch.speculating
     drafts_before = running.batch.result.row_metrics[0].num_drafts
-    running.apply([(JOIN, ("seeded", seeded))])
+    running.apply([Order(Command.JOIN, Join("seeded", seeded))])
     tokens = list(running.updates()["seeded"].new_tokens)
     assert running.batch.speculating and running.batch.stand_in_drafts == [True] * FEWEST_PLAIN_ROWS + [False]
     running.step()

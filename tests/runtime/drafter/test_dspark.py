@@ -18,7 +18,7 @@ from specdoctor.runtime.drafter.registry import drafter_checkpoint
 from specdoctor.runtime.drafter.repair import repair_drafter
 from specdoctor.runtime.models.dspark import read_dspark_config
 from specdoctor.runtime.options import RuntimeOptions
-from specdoctor.runtime.worker import build_rank
+from specdoctor.runtime.rank_loading import build_rank
 from tests.helpers.dspark import TARGET, drafter_fields, make_drafter, make_target
 
 

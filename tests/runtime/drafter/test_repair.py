@@ -21,9 +21,9 @@ from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.drafter.repair import check_vocab_shard, read_vocab_shard, repair_drafter
 from specdoctor.runtime.options import RuntimeOptions
+from specdoctor.runtime.rank_loading import build_rank
 from specdoctor.runtime.sharding import vocab_shard_range
 from specdoctor.runtime.tensor_parallel import TensorParallel
-from specdoctor.runtime.worker import build_rank
 
 # Rows per TP rank, worked out by hand: padded = the vocabulary rounded up to a multiple of 64, then / TP.
 # 129,280 (DeepSeek-V3) = 2,020 x 64 and 151,936 (Qwen2/3) = 2,374 x 64 need no padding; 202,752 (GLM-4.5's
