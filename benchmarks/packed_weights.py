@@ -22,7 +22,7 @@ from tests.conftest import make_hf_checkpoint
 from tests.helpers.peak_memory import run_measured
 from tests.helpers.reports import findings_of
 from tests.helpers.tool_env import ROOT
-from tests.quant.quant_env import QUANT, TOOL_ENV
+from tests.tools.quant_env import QUANT, TOOL_ENV
 
 MODES = ("packed", "dequantized")
 # The loaded-drafter and repair stages start from the same bytes in both runs (the fill is zeros, not whatever
@@ -43,7 +43,7 @@ def make_larger(directory: Path) -> Path:
     quantised = directory / "w4a16"
     if not (quantised / "config.json").exists():
         make_hf_checkpoint(directory / "float", shard_size="200MB", **LARGER)
-        command = [str(QUANT.ensure()), "tests/quant/quantize_run.py", "w4a16", str(directory / "float"),
+        command = [str(QUANT.ensure()), "tests/tools/quantize_run.py", "w4a16", str(directory / "float"),
                    str(quantised), "128", json.dumps([[1, 2, 3]])]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, cwd=ROOT, env=TOOL_ENV, timeout=3600)
     return quantised

@@ -2,9 +2,9 @@
 int4, group 64: the demo's widths 128, 192 and 512 are not all multiples of the usual 128), written as
 compressed-tensors `pack-quantized`, the seed deployment's scheme. The embedding, the head, the routers
 and the MTP layer stay bf16 (the MTP layer is named in the ignore list). Runs in the quantisation tools'
-environment (tests/quant/quant_env.py):
+environment (tests/tools/quant_env.py):
 
-    python -m tests.quant.quant_env     # prints its interpreter, e.g. .peer/quant/bin/python
+    python -m tests.tools.quant_env     # prints its interpreter, e.g. .peer/quant/bin/python
     .peer/quant/bin/python -m scripts.quantize_demo --out specdoctor/demo_w4a16_model
 """
 
@@ -14,7 +14,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from tests.quant.quantize_run import llm_compressor
+from tests.tools.quantize_run import llm_compressor
 
 DEMO = Path(__file__).resolve().parents[1] / "specdoctor" / "demo_model"
 GROUP = 64

@@ -1,5 +1,5 @@
 """Train demo-eagle3: an EAGLE-3 head (one Llama layer) for demo-dspark's frozen Qwen3 target, on the same text
-as the other demos, saved by speculators itself in its format (tests/eagle3/speculators_tool.py) without an
+as the other demos, saved by speculators itself in its format (tests/tools/speculators_tool.py) without an
 embedding or head of its own: both are the target's, so at PP > 1 vLLM 0.32 leaves its embedding unloaded.
 
     python -m scripts.train_eagle3 --out specdoctor/demo_eagle3_drafter --steps 1500
@@ -29,9 +29,10 @@ from specdoctor.runtime.checkpoint.loader import load_full_target
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.models.eagle3 import Eagle3Drafter, read_eagle3_config
 from specdoctor.runtime.models.rope import rotary_cos_sin
-from tests.eagle3.spec_env import SPECULATORS
 from tests.helpers.acceptance_trace import chain_acceptance
 from tests.helpers.demo_corpus import corpus_files, read_texts
+from tests.tools import TOOLS
+from tests.tools.speculators_env import SPECULATORS
 
 TARGET = "demo-dspark"
 AUX_IDS = (1, 3, 5)  # entries of the 6-layer target: PP 2-4 spread them over two or three ranks
@@ -39,7 +40,7 @@ STEPS = 5  # the chain length it is trained for (num_speculative_tokens)
 STEP_DECAY = 0.8  # loss weight of chain step j: DECAY**j (early drafts decide acceptance)
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rope_theta", "rms_norm_eps", "max_position_embeddings", "vocab_size")  # fmt: skip
-TOOL = Path(__file__).resolve().parents[1] / "tests" / "eagle3" / "speculators_tool.py"
+TOOL = TOOLS / "speculators_tool.py"
 
 
 class ChainSpan:

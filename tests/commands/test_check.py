@@ -22,7 +22,7 @@ from specdoctor.workflow.check import CheckOptions, run_check
 from tests.commands.test_cli import rename_key
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.browser import images_loaded
-from tests.quant.fp8_checkpoint import write_fp8_checkpoint
+from tests.helpers.fp8_checkpoint import write_fp8_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CUDA_DEVICES = torch.cuda.device_count()

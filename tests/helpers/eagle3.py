@@ -1,4 +1,4 @@
-"""EAGLE-3 heads written by speculators (tests/eagle3/speculators_tool.py, in its own environment) for a Llama
+"""EAGLE-3 heads written by speculators (tests/tools/speculators_tool.py, in its own environment) for a Llama
 target transformers saved, and the original EAGLE-3 release layout converted from one."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tests.eagle3.spec_env import run_speculators
 from tests.helpers.families import save_dense_checkpoint
+from tests.tools import TOOLS
+from tests.tools.speculators_env import run_speculators
 
-TOOL = Path(__file__).resolve().parents[1] / "eagle3" / "speculators_tool.py"
+TOOL = TOOLS / "speculators_tool.py"
 TARGET_LAYERS = 8  # vLLM's default aux entries (2, 4, 5) differ from the heads' (1, 3, 6)
 TRAINED_AUX = "1,3,6"
 

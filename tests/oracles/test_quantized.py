@@ -21,10 +21,10 @@ from specdoctor.runtime.options import RuntimeOptions
 from tests.commands.test_cli import rename_key, specdoctor
 from tests.conftest import make_hf_checkpoint
 from tests.helpers.families import make_family_checkpoint
+from tests.helpers.fp8_checkpoint import dequantised_model, write_fp8_checkpoint
 from tests.helpers.tool_env import ROOT, PeerUnavailable
 from tests.oracles.test_model_parity import relative_error
-from tests.quant.fp8_checkpoint import dequantised_model, write_fp8_checkpoint
-from tests.quant.quant_env import QUANT, TOOL_ENV
+from tests.tools.quant_env import QUANT, TOOL_ENV
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tool_env("quant")]
 GROUP = 16  # columns per scale: every width of the tiny models (48, 64, 96) holds several groups
@@ -54,7 +54,7 @@ def float_checkpoint(request, tmp_path_factory):
 
 def tool_quantize(quant_python, form: str, float_dir, out) -> torch.Tensor:
     """Quantise with the tool in its own environment; the logits of the tool's dequantised model."""
-    command = [str(quant_python), "tests/quant/quantize_run.py", form, str(float_dir), str(out), str(GROUP)]
+    command = [str(quant_python), "tests/tools/quantize_run.py", form, str(float_dir), str(out), str(GROUP)]
     result = subprocess.run(command + [json.dumps(IDS.tolist())], capture_output=True, text=True, timeout=300,
                             cwd=ROOT, env=TOOL_ENV)  # fmt: skip
     line = next((row for row in result.stdout.splitlines() if row.startswith("RESULT ")), None)

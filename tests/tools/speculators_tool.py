@@ -1,4 +1,4 @@
-"""Run by the speculators environment's interpreter (tests/eagle3/spec_env.py), never imported by the tests:
+"""Run by the speculators environment's interpreter (tests/tools/speculators_env.py), never imported by the tests:
 writes EAGLE-3 heads with speculators' own model class and its save_pretrained, and runs that class's forward
 pass as the reference for one draft step.
 

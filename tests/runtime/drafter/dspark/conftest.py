@@ -3,14 +3,13 @@ speculators)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.eagle3.spec_env import run_speculators
 from tests.helpers.families import SMALL, save_dense_checkpoint
+from tests.tools import TOOLS
+from tests.tools.speculators_env import run_speculators
 
-TOOL = Path(__file__).resolve().parents[1] / "eagle3" / "speculators_dspark.py"
+TOOL = TOOLS / "speculators_dspark.py"
 TARGET_LAYERS = 6
 MASK_TOKEN = SMALL["vocab_size"] - 1
 

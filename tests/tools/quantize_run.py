@@ -1,7 +1,7 @@
 """Run inside the quantisation tools' environment (quant_env.py): quantise a transformers-saved checkpoint
 with the format's own tool and write the logits of that tool's dequantised model.
 
-    python tests/quant/quantize_run.py FORMAT FLOAT_DIR OUT_DIR GROUP_SIZE IDS_JSON
+    python tests/tools/quantize_run.py FORMAT FLOAT_DIR OUT_DIR GROUP_SIZE IDS_JSON
 
 FORMAT: w4a16 and w4a16-asym (llm-compressor's QuantizationModifier, round to nearest, compressed-tensors
 pack-quantized without and with zero points), or awq (AutoAWQ's own round-to-nearest quantiser and GEMM

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.quant.quantize_run import KEEP, mtp_prefixes
+from tests.tools.quantize_run import KEEP, mtp_prefixes
 
 
 def write_fp8_checkpoint(float_dir: Path, out: Path, block: tuple[int, int], also: tuple[str, ...] = ()) -> None:

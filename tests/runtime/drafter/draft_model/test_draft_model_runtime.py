@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from tests.draft_model.conftest import SHORT_RANGE
 from tests.helpers.drafter_runs import (
     NEW_TOKENS,
     drafter_options,
@@ -24,6 +23,7 @@ from tests.helpers.drafter_runs import (
     speculative_run,
 )
 from tests.helpers.families import PIPELINE_PROMPTS
+from tests.runtime.drafter.draft_model.conftest import SHORT_RANGE
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 transformers <= 5.19 and pulls torchvision and torchaudio, whose builds do not match torch 2.13 and break
 transformers' import (they are removed; speculators' models do not use them).
 
-    python -m tests.eagle3.spec_env    # install (CI runs this before the tests); prints the interpreter
+    python -m tests.tools.speculators_env    # install (CI runs this before the tests); prints the interpreter
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ own: llm-compressor 0.14 pins transformers 5.15-5.17 and compressed-tensors 0.19
 environment's transformers. AutoAWQ 0.2.9 (archived; its pins want an old torch) is installed without its
 dependencies: its GEMM packing and dequantisation are plain torch.
 
-    python -m tests.quant.quant_env    # install (CI runs this before the tests); prints the interpreter
+    python -m tests.tools.quant_env    # install (CI runs this before the tests); prints the interpreter
 """
 
 from __future__ import annotations

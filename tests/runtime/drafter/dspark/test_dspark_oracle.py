@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.dspark_oracle.conftest import TOOL
-from tests.eagle3.spec_env import run_speculators
+from tests.runtime.drafter.dspark.conftest import TOOL
+from tests.tools.speculators_env import run_speculators
 
 pytestmark = pytest.mark.tool_env("speculators")  # installed before the tests start (tests/conftest.py)
 
