@@ -16,8 +16,9 @@ from specdoctor.runtime.drafter.measure import measure_drafter
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.workflow.check import run_check
-from tests.commands.test_check import TOKENIZER_FILES, check_options, specdoctor, with_word_tokenizer
+from tests.commands.test_check import specdoctor
 from tests.conftest import make_hf_checkpoint
+from tests.workflow.test_check import TOKENIZER_FILES, check_options, with_word_tokenizer
 
 # DeepSeek-V3's own quantization_config (its config.json on the hub).
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}

@@ -22,7 +22,6 @@ from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.runtime.rank_loading import load_rank
 from specdoctor.workflow.check import run_check
 from specdoctor.workflow.inspect import summarize
-from tests.commands.test_check import check_options
 from tests.helpers.families import (
     assert_pipeline_matches_single_process,
     checkpoints_by_architecture,
@@ -32,6 +31,7 @@ from tests.helpers.families import (
 from tests.helpers.loading import mtp_step_error
 from tests.helpers.reference_decoder import greedy_generate
 from tests.oracles.test_model_parity import assert_matches_transformers, full_stage, logits_error, relative_error
+from tests.workflow.test_check import check_options
 
 
 @pytest.fixture(scope="module")

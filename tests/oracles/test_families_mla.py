@@ -13,7 +13,7 @@ import torch
 
 from specdoctor.runtime.models.deepseek_v3 import ARCHITECTURES, INDEXER_ROPE_INTERLEAVED
 from specdoctor.workflow.check import run_check
-from tests.commands.test_check import check_options, specdoctor
+from tests.commands.test_check import specdoctor
 from tests.helpers.families import (
     SHIPS_OWN_COPIES,
     assert_pipeline_matches_single_process,
@@ -22,6 +22,7 @@ from tests.helpers.families import (
 )
 from tests.helpers.loading import mtp_step_error
 from tests.oracles.test_model_parity import assert_matches_transformers, logits_error
+from tests.workflow.test_check import check_options
 
 DSA_TOPK = 6  # fewer tokens than the test contexts hold, so the indexer's choice decides the output
 

@@ -216,3 +216,24 @@ def test_repair_drafter_of_a_tp_rank_reads_its_rows_alone_and_checks_them(tp_ran
     row_bytes = embedding.shape[1] * embedding.element_size()
     assert result.bytes_read == 2 * 1024 * row_bytes
     assert repair_drafter(model, {0: [EMBEDDING]}).repaired == {}  # another rank's list: nothing to do here
+
+
+def test_tp_shard_check_compares_the_repaired_rows_with_the_checkpoint(tmp_path):
+    """A vocabulary of 300 pads to 320 (vLLM's multiple of 64): at TP 4 the last rank holds 60 real rows
+    and 20 zero rows. A repaired table whose rows are off by one fails; a TP size that does not split
+    the padded vocabulary is refused, as vLLM's VocabParallelEmbedding refuses it."""
+    from specdoctor.errors import SpecdoctorError
+    from specdoctor.runtime.checkpoint.reader import Checkpoint
+    from specdoctor.runtime.drafter.repair import check_vocab_shard
+    from tests.conftest import make_hf_checkpoint
+
+    make_hf_checkpoint(tmp_path, seed=41, vocab_size=300)
+    checkpoint, key = Checkpoint(tmp_path), "model.embed_tokens.weight"
+    table = checkpoint.read(key).float()
+    last = torch.cat([table[240:], torch.zeros(20, table.shape[1])])  # TP 4 rank 3's slice, as loaded
+    shard = check_vocab_shard(checkpoint, key, last, TensorParallel(3, 4))
+    assert (shard.rows, shard.real_rows, shard.padded_rows) == ([240, 320], 60, 20)
+    assert shard.ok
+    assert not check_vocab_shard(checkpoint, key, last.roll(1, dims=0), TensorParallel(3, 4)).matches_table
+    with pytest.raises(SpecdoctorError, match="does not split over 3 tensor-parallel ranks"):
+        check_vocab_shard(checkpoint, key, table, TensorParallel(0, 3))
