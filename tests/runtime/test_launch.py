@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.helpers.signal_state import as_a_terminal_starts_it
+
 # Ctrl-C to the whole process group (as a terminal sends it) just after the fork server is launched, before
 # start_fork_server returns: the fork server is then importing torch, the controller still launching.
 CTRL_C_WHILE_LAUNCHING = textwrap.dedent(
@@ -14,6 +16,9 @@ CTRL_C_WHILE_LAUNCHING = textwrap.dedent(
     import os, signal, sys
     from multiprocessing import forkserver
     from specdoctor.runtime import launch
+    from tests.helpers.signal_state import signal_state
+
+    at_start = signal_state(os.getpid())  # what this process inherited, for a Ctrl-C that goes unanswered
 
     launch_fork_server = forkserver.ensure_running
 
@@ -32,6 +37,7 @@ CTRL_C_WHILE_LAUNCHING = textwrap.dedent(
         print("interrupted; the fork server exited with", os.waitstatus_to_exitcode(status), flush=True)
         sys.exit(130)
     print("the Ctrl-C was lost", flush=True)
+    print(f"at start:\\n{at_start}\\nnow:\\n{signal_state(os.getpid())}", file=sys.stderr)
     """
 )
 
@@ -43,6 +49,7 @@ def test_a_ctrl_c_while_the_fork_server_launches_stops_the_controller_and_nothin
         capture_output=True,
         text=True,
         start_new_session=True,
+        preexec_fn=as_a_terminal_starts_it,
         timeout=120,
     )
     assert (done.returncode, done.stdout.strip()) == (130, "interrupted; the fork server exited with 0"), (

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.helpers.servers import free_port
+from tests.helpers.signal_state import as_a_terminal_starts_it, signal_state
 from tests.helpers.waiting import alive, wait_for
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -44,6 +45,7 @@ class Serve:
         command = [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--port", str(self.port), *args]
         self.process = subprocess.Popen(
             command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
+            preexec_fn=as_a_terminal_starts_it,
             env={**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, **(env or {})},
         )  # fmt: skip
         STARTED.append(self)
@@ -71,7 +73,13 @@ class Serve:
             os.killpg(self.process.pid, signum)
         else:
             self.process.send_signal(signum)
-        code = self.process.wait(timeout=30)
+        try:
+            code = self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            tail = "".join(self.stderr)[-2000:]
+            raise AssertionError(
+                f"still running 30 s after the signal:\n{signal_state(self.process.pid)}\n{tail}"
+            ) from None
         self.reader.join(timeout=10)
         return code, "".join(self.stderr)
 
