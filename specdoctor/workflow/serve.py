@@ -94,15 +94,17 @@ def startup_check(engine, repair: bool, tap_prompt: list[int], console: Console)
     """The pre-flight and the loaded-drafter examination on the engine `serve` serves from; with `repair`, what a
     checkpoint read fixes is repaired and examined again. Returns the error findings left."""
     from specdoctor.checks.preflight import preflight
+    from specdoctor.runtime.drafter.repair import RepairResult
 
     errors = [f for f in preflight(engine.checkpoint, engine.placements, engine.drafter) if f.severity == "error"]
     if engine.options.num_speculative_tokens == 0 or not engine.speculates:
         return errors
 
     def repair_on_engine(broken):
+        if not any(broken.values()):  # nothing to read: no order to the ranks on the way to serving
+            return RepairResult()
         result = engine.repair_drafter(broken)
-        if any(broken.values()):
-            console.print(f"repaired {', '.join(result.repaired)} from the checkpoint ({result.bytes_read:,} bytes)")
+        console.print(f"repaired {', '.join(result.repaired)} from the checkpoint ({result.bytes_read:,} bytes)")
         return result
 
     examine = functools.partial(examine_drafter, engine, tap_prompt=tap_prompt)
