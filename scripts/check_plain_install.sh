@@ -23,6 +23,8 @@ while read -r args; do
   fi
 done << 'ARGS'
 check --model /nonexistent/model
+check --model demo --engine vllm
+serve --model demo --engine vllm --max-model-len 256
 repair --model /nonexistent/model
 serve --model /nonexistent/model
 probe --url http://127.0.0.1:9

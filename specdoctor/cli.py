@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from specdoctor.commands import bench, check, generate, inspect, probe, serve
+from specdoctor.commands.options import PASS_THROUGH
 from specdoctor.errors import SpecdoctorError
 from specdoctor.report import CheckReport, ProbeReport, Report, error_report
 from specdoctor.workflow.bench import SCHEMA as BENCH_SCHEMA
@@ -29,9 +30,9 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Find and repair silent failures in speculative-decoding deployments.",
 )
-app.command("check")(check.check)
+app.command("check", context_settings=PASS_THROUGH)(check.check)
 app.command("repair")(check.repair)
-app.command("serve")(serve.serve)
+app.command("serve", context_settings=PASS_THROUGH)(serve.serve)
 app.command("probe")(probe.probe)
 app.command("inspect")(inspect.inspect)
 app.command("generate")(generate.generate)

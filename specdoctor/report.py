@@ -92,7 +92,7 @@ class CheckReport(Report):
     placement: list[dict]
     preflight: list[Finding] = field(default_factory=list)
     stages: list[StageResult] = field(default_factory=list)
-    repair: object | None = None  # a RepairResult (runtime/drafter/repair.py)
+    repair: object | None = None  # a RepairResult (runtime/drafter/repair.py), or vLLM workers' WorkerRepairs
     repair_findings: list[Finding] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     memory: dict | None = None  # the memory plan (runtime/memory.py), where the runtime stages were planned

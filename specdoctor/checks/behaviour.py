@@ -71,21 +71,24 @@ def divergence_evidence(engine, prompts, plain, speculative) -> list[dict]:
         scores = engine.prompt_logits([prefix])[0, len(prefix) - 1].float()
         emitted = [output[at] if at < len(output) else None for output in (plain[row], speculative[row])]
         chosen = [float(scores[t]) if t is not None else float(scores[eos].max()) if eos else None for t in emitted]
-        best = float(scores.max())
-        gap = best - min(chosen) if None not in chosen else None  # None: an output ended where no EOS is known
-        tolerance = ROUNDING_LOGIT_ULPS * eps * max(1.0, abs(best))
-        evidence.append(
-            {
-                "prompt": row,
-                "token": at,
-                "target": emitted[0],
-                "speculative": emitted[1],
-                "gap": gap,
-                "tolerance": tolerance,
-                "within_rounding": gap is not None and gap <= tolerance,
-            }
-        )
+        evidence.append(tie_record(row, at, emitted, chosen, float(scores.max()), eps))
     return evidence
+
+
+def tie_record(row: int, at: int, emitted: list, chosen: list, best: float, eps: float) -> dict:
+    """Where prompt `row`'s outputs first differ (token `at`, the tokens each `emitted` there): `chosen` the
+    target's logits of those tokens (None: unknown), `best` its best logit there, `eps` the compute dtype's."""
+    gap = best - min(chosen) if None not in chosen else None  # None: an output ended where no EOS is known
+    tolerance = ROUNDING_LOGIT_ULPS * eps * max(1.0, abs(best))
+    return {
+        "prompt": row,
+        "token": at,
+        "target": emitted[0],
+        "speculative": emitted[1],
+        "gap": gap,
+        "tolerance": tolerance,
+        "within_rounding": gap is not None and gap <= tolerance,
+    }
 
 
 def rounding_ties_only(divergences) -> bool:

@@ -12,14 +12,19 @@ from rich.table import Table
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.commands.options import (
     BatteryOption,
+    Engine,
+    EngineOption,
+    EngineTimeoutOption,
     HtmlOption,
     JsonReportOption,
     JunitOption,
     MinLengthOption,
     parse_size,
+    passed_to_engine,
     runtime_command,
 )
 from specdoctor.commands.output import emit_report
+from specdoctor.errors import SpecdoctorError
 from specdoctor.report import CheckReport, Finding, acceptance_row, findings_table, placement_table, render_verdict
 from specdoctor.runtime.options import EmbeddingPolicy, HeadPolicy, RuntimeOptions
 from specdoctor.workflow.check import CheckOptions, run_check
@@ -44,6 +49,7 @@ MemoryLimitOption = Annotated[
 
 @runtime_command(**CHECK_DEFAULTS)
 def check(
+    ctx: typer.Context,
     runtime: RuntimeOptions,
     repair: RepairFlag = False,
     battery: BatteryOption = None,
@@ -53,11 +59,26 @@ def check(
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
     html: HtmlOption = None,
+    engine: EngineOption = Engine.SPECDOCTOR,
+    engine_timeout: EngineTimeoutOption = 1800.0,
 ) -> None:
-    """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it."""
+    """Detect a broken drafter under pipeline parallelism; with --repair, fix it from the checkpoint and prove it.
+    With --engine vllm, inside the vLLM installed here: each worker's drafter, repaired in place."""
+    passed = passed_to_engine(ctx, engine)
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit else None
     options = CheckOptions(runtime, repair, battery, min_acceptance_length, max_tokens, limit)
-    emit_report(run_check(options, show_progress=json_out != "-"), json_out, junit_xml, render_check, html)
+    show_progress = json_out != "-"
+    if engine is Engine.VLLM:
+        from specdoctor.workflow.vllm_args import refuse_runtime_only
+        from specdoctor.workflow.vllm_check import VllmCheckOptions, run_vllm_check
+
+        if memory_limit:
+            raise SpecdoctorError("--memory-limit plans specdoctor's own ranks: vLLM plans its own memory")
+        refuse_runtime_only(runtime, RuntimeOptions(model=runtime.model, **CHECK_DEFAULTS))
+        report = run_vllm_check(VllmCheckOptions(options, passed, engine_timeout), show_progress)
+    else:
+        report = run_check(options, show_progress)
+    emit_report(report, json_out, junit_xml, render_check, html)
 
 
 @runtime_command(**CHECK_DEFAULTS)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import typing
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -33,6 +34,34 @@ JunitOption = Annotated[Path | None, typer.Option(help="Write a JUnit XML report
 HtmlOption = Annotated[
     Path | None, typer.Option("--html", help="Write a self-contained HTML report, with charts, to FILE.")
 ]
+
+
+class Engine(StrEnum):
+    SPECDOCTOR = "specdoctor"
+    VLLM = "vllm"
+
+
+EngineOption = Annotated[
+    Engine,
+    typer.Option(
+        help="Where the pair runs: specdoctor's own runtime, or the vLLM installed in this Python with specdoctor's "
+        "plugin in its workers (then flags specdoctor does not declare go to vLLM as written, e.g. "
+        "--max-model-len 4096; docs/vllm-plugin.md)."
+    ),
+]
+EngineTimeoutOption = Annotated[
+    float, typer.Option(min=1, help="--engine vllm: seconds each vLLM start may take, its run included.")
+]
+# What a command that takes --engine lets through for vLLM: the options it does not declare itself.
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def passed_to_engine(ctx: typer.Context, engine: Engine) -> list[str]:
+    """The flags the command did not declare: vLLM's with --engine vllm, else refused as typer would."""
+    if ctx.args and engine is not Engine.VLLM:
+        raise SpecdoctorError(f"no such option: {ctx.args[0]} (options of vLLM's go through with --engine vllm)")
+    return list(ctx.args)
+
 
 # Decimal units as written, binary ones (and the bare letters, as `free -h` means them) in powers of 2.
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

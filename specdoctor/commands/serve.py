@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from specdoctor.commands.options import runtime_command
+from specdoctor.commands.options import Engine, EngineOption, passed_to_engine, runtime_command
+from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.workflow.serve import ServeOptions, run_serve
 
@@ -25,16 +26,34 @@ AllowUnhealthyFlag = Annotated[
 
 
 # k: MTP 3, DSpark its block size; compiled, as vLLM serves by default (docs/performance.md: start-up times)
-@runtime_command(num_speculative_tokens=None, enable_prefix_caching=True, compile=True, adaptive_speculation=True)
+SERVE_DEFAULTS = dict(num_speculative_tokens=None, enable_prefix_caching=True, compile=True, adaptive_speculation=True)
+DEFAULT_MAX_WAITING = 256
+
+
+@runtime_command(**SERVE_DEFAULTS)
 def serve(
+    ctx: typer.Context,
     runtime: RuntimeOptions,
     host: HostOption = "127.0.0.1",
     port: PortOption = 8000,
     api_key: ApiKeyOption = None,
     allow_unhealthy: AllowUnhealthyFlag = False,
     max_num_seqs: MaxNumSeqsOption = 32,
-    max_waiting: MaxWaitingOption = 256,
+    max_waiting: MaxWaitingOption = DEFAULT_MAX_WAITING,
+    engine: EngineOption = Engine.SPECDOCTOR,
 ) -> None:
     """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics; requests are
-    batched continuously (they join and leave the running batch between decode steps)."""
-    run_serve(ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting))
+    batched continuously (they join and leave the running batch between decode steps). With --engine vllm, vLLM
+    serves, its workers' drafters verified and repaired at load by specdoctor's plugin."""
+    passed = passed_to_engine(ctx, engine)
+    options = ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting)
+    if engine is not Engine.VLLM:
+        run_serve(options)
+        return
+    from specdoctor.workflow.vllm_args import refuse_runtime_only
+    from specdoctor.workflow.vllm_serve import run_vllm_serve
+
+    if max_waiting != DEFAULT_MAX_WAITING:
+        raise SpecdoctorError("--max-waiting bounds specdoctor's own queue: vLLM queues requests its own way")
+    refuse_runtime_only(runtime, RuntimeOptions(model=runtime.model, **SERVE_DEFAULTS))
+    run_vllm_serve(options, passed)

@@ -95,6 +95,10 @@ class DraftModelKind(OwnCheckpointKind):
     def checkpoint_key(self, name: str) -> str:
         return self.key_for(name)
 
+    def engine_name(self, path: str) -> str:
+        """A draft model is a whole model: vLLM's names are the target loader's, `model.` included."""
+        return path
+
     def expected_source(self, name: str) -> Source:
         """Always its own checkpoint's tensor: vLLM shares nothing of the target's with a draft model."""
         return self.drafter, self.checkpoint_key(name)

@@ -116,6 +116,11 @@ class DrafterKind(ABC):
             )
         return entries
 
+    def engine_name(self, path: str) -> str:
+        """This kind's name for the tensor an engine's drafter module holds at `path` (vLLM nests an MTP layer's
+        or a head's tensors under `model.`, where this kind names them from the drafter's own root)."""
+        return path.removeprefix("model.")
+
     def embedding_candidates(self) -> list[str]:
         """The target checkpoint's keys that can supply the drafter's embedding, in the order a correct loader
         tries them (the first present is its source): the target's own embedding."""
