@@ -50,7 +50,7 @@ EngineOption = Annotated[
     ),
 ]
 EngineTimeoutOption = Annotated[
-    float, typer.Option(min=1, help="--engine vllm: seconds each vLLM start may take, its run included.")
+    float, typer.Option(min=1, help="--engine vllm: seconds vLLM may take, its starts, batteries and repair together.")
 ]
 # What a command that takes --engine lets through for vLLM: the options it does not declare itself.
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}

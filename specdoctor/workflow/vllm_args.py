@@ -10,8 +10,8 @@ import json
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.options import RuntimeOptions
 
-# The RuntimeOptions fields that apply to a vLLM run: given to vLLM (vllm_arguments), or, for `tokenizer`, what
-# encodes check's battery (check hands vLLM token ids and takes token ids back, so vLLM loads no tokenizer).
+# The RuntimeOptions fields that apply to a vLLM run, given to vLLM (vllm_arguments); `check` also encodes its
+# battery with `tokenizer`, and hands vLLM token ids (so vLLM loads none there).
 TRANSLATED = (
     "model",
     "speculative_model",
@@ -46,7 +46,10 @@ def vllm_arguments(
         speculative["model"] = str(drafter.path)
     arguments = [vllm_spelling("model"), str(checkpoint.path), vllm_spelling("tp"), str(runtime.tp)]
     arguments += [vllm_spelling("pp"), str(runtime.pp), vllm_spelling("dtype"), str(runtime.dtype)]
-    arguments += ["--skip-tokenizer-init"] if token_ids_only else []
+    if token_ids_only:
+        arguments += ["--skip-tokenizer-init"]  # check's battery is token ids in, token ids out
+    elif runtime.tokenizer:
+        arguments += [vllm_spelling("tokenizer"), runtime.tokenizer]
     arguments += [] if runtime.compile else ["--enforce-eager"]
     arguments += ["--enable-prefix-caching" if runtime.enable_prefix_caching else "--no-enable-prefix-caching"]
     return [*arguments, "--speculative-config", json.dumps(speculative), *passed]

@@ -6,6 +6,7 @@ rule); with --repair, the workers repair in place and the battery runs again. Al
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -49,16 +50,16 @@ def run_vllm_check(options: VllmCheckOptions, show_progress: bool) -> CheckRepor
     from specdoctor.runtime.drafter.registry import drafter_kind, speculative_tokens
     from specdoctor.runtime.partition import placements
 
-    version = launch.installed_vllm()
     runtime = options.check.runtime
     checkpoint = Checkpoint(runtime.model)
     drafter = drafter_kind(checkpoint, runtime.model, runtime.speculative_model, runtime.speculative_method)
     k = speculative_tokens(drafter, runtime.num_speculative_tokens)
+    dataclasses.replace(options.check, runtime=dataclasses.replace(runtime, num_speculative_tokens=k)).validate()
+    version = launch.installed_vllm()
     ranks = placements(checkpoint.config, runtime.pp, runtime.pp_partition, has_drafter=drafter is not None)
     applied = {name: value for name, value in settings_dict(runtime).items() if name in TRANSLATED}
     settings = {**applied, **settings_dict(options.check), "engine": "vllm", "vllm": version}
-    arguments = vllm_arguments(runtime, checkpoint, drafter, k, options.vllm_args, token_ids_only=True)
-    settings |= {"num_speculative_tokens": k, "vllm_args": arguments}
+    settings["num_speculative_tokens"] = k
     report = CheckReport(
         str(checkpoint.path),
         settings,
@@ -67,6 +68,8 @@ def run_vllm_check(options: VllmCheckOptions, show_progress: bool) -> CheckRepor
     )
     if drafter is None:
         return report  # nothing to run: the pre-flight error says why
+    arguments = vllm_arguments(runtime, checkpoint, drafter, k, options.vllm_args, token_ids_only=True)
+    settings["vllm_args"] = arguments
     prompts, fallback = battery_prompts(options.check.battery, checkpoint, load_codec(checkpoint, runtime.tokenizer))
     if fallback:
         report.preflight.append(Finding("behaviour.battery", "warning", fallback, stage="preflight"))
@@ -101,10 +104,10 @@ def record_vllm_run(report: CheckReport, options: VllmCheckOptions, served, refe
         report.preflight += [worker_finding(name, "never wrote its report: it is not verified") for name in missing]
         raise SpecdoctorError(
             f"--engine vllm: worker(s) {', '.join(missing)} never reported (is specdoctor installed where vLLM's "
-            "workers run, and VLLM_PLUGINS allowing it?)"
+            f"workers run, and VLLM_PLUGINS allowing it? vLLM's log: {served.get('log')})"
         )
     reports = served["reports"]
-    stages = [("before", "vllm", [table_findings(r, "tables", "before") for r in reports.values()])]
+    stages = [("before", "vllm", [table_findings(r, "tables", "before") for r in reports.values()], reports)]
     if options.check.repair:
         repairs = served["repairs"]
         report.repair_findings = [f for r in repairs for f in repair_findings(r)]
@@ -114,11 +117,12 @@ def record_vllm_run(report: CheckReport, options: VllmCheckOptions, served, refe
             sum(d["bytes_read"] for d in done),
             max((d["seconds"] for d in done), default=0.0),
         )
-        stages.append(("after", "repaired", [table_findings(r, "after", "after") for r in repairs]))
-    for (name, policy, tables), answers in zip(stages, (served["before"], served.get("after")), strict=False):
+        after = {f"tp{r['worker']['tp_rank']}-pp{r['worker']['pp_rank']}": r for r in repairs}
+        stages.append(("after", "repaired", [table_findings(r, "after", "after") for r in repairs], after))
+    for (name, policy, tables, workers), answers in zip(stages, (served["before"], served.get("after")), strict=False):
         behaviour = battery_behaviour(answers, reference, options, k, config, name, served["dtype"])
         findings = [f for group in tables for f in group] + behaviour.pop("findings")
-        report.stages.append(StageResult(name, policy, findings, {"workers": reports}, behaviour))
+        report.stages.append(StageResult(name, policy, findings, {"workers": workers}, behaviour))
 
 
 def label(report: dict) -> str:

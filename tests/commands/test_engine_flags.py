@@ -27,8 +27,9 @@ def check(*args: str) -> subprocess.CompletedProcess:
             "--fill is a flag of specdoctor's own runtime",
         ),
         (["--engine", "vllm", "--memory-limit", "8GiB"], "--memory-limit plans specdoctor's own ranks"),
+        (["--engine", "vllm", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be in 1..8, got 0"),
     ],
-    ids=["vllm-missing", "vllm-flag-without-engine", "runtime-only-flag", "memory-limit"],
+    ids=["vllm-missing", "vllm-flag-without-engine", "runtime-only-flag", "memory-limit", "no-drafts"],
 )
 def test_engine_refusals_are_one_line_and_exit_2(args, message):
     result = check(*args)

@@ -101,29 +101,26 @@ def run(request: dict) -> dict:
         result["before"] = battery(llm, request["prompts"], request["max_tokens"], speculative)
         if request.get("repair"):
             result["repairs"] = llm.collective_rpc("specdoctor_repair")
+            llm.reset_prefix_cache()  # blocks cached before the repair hold the broken drafter's K/V
             result["after"] = battery(llm, request["prompts"], request["max_tokens"], speculative)
         return result
     finally:
-        shut_down(llm)
-
-
-def shut_down(llm) -> None:
-    """vLLM's engine and its process group gone, so the next start in this process begins clean."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    cleanup_dist_env_and_memory()
+        llm.llm_engine.engine_core.shutdown()
+        del llm  # the engine released before the process group is torn down
 
 
 def run_all(runs: list[dict]) -> list[dict]:
-    """The starts in order (one import of vLLM for all): the plugin on where a run names its reports' directory."""
+    """The starts in order (one import of vLLM for all): the plugin on where a run names its reports' directory;
+    between them vLLM's process group and memory are torn down, so the next start begins clean."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     results = []
     for request in runs:
         os.environ.pop(REPORTS, None)
         if request.get("reports"):
             os.environ[REPORTS] = request["reports"]
         results.append(run(request))
+        cleanup_dist_env_and_memory()
     return results
 
 

@@ -4,6 +4,7 @@ Every way it can fail is one line (SpecdoctorError, exit 2), naming the log that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,7 +96,7 @@ def environment(reports: Path | None, repair: bool) -> dict[str, str]:
 
 def run_driver(runs: list[dict], timeout: float) -> list[dict]:
     """The driver (driver.py) in this Python, its starts one after the other (a run with `examine` has the
-    plugin on), to the end or `timeout`; each start's result, or one line why not."""
+    plugin on), to the end or `timeout` (all of them together); each start's result, or one line why not."""
     run = VllmRun.new()
     for start, request in enumerate(runs):
         request["reports"] = str(run.reports(start)) if request.pop("examine") else None
@@ -117,7 +118,7 @@ def run_driver(runs: list[dict], timeout: float) -> list[dict]:
             raise
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     if "runs" in result:
-        return result["runs"]
+        return [start | {"log": str(run.log)} for start in result["runs"]]
     reports = {path.stem: json.loads(path.read_text()) for path in run.directory.glob("reports-*/*.json")}
     cause = result.get("error") or root_cause(run.log) or f"exit {process.returncode}"
     if "root cause" in cause:  # the engine core's summary: the worker's own exception is in the log
@@ -126,16 +127,18 @@ def run_driver(runs: list[dict], timeout: float) -> list[dict]:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """vLLM and every process it started (its own session): SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, sig)
-            process.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """vLLM and every process it started (its own session, which the terminal's signals do not reach): SIGTERM,
+    then SIGKILL after the grace period, or at once if stopping is itself interrupted (a second Ctrl-C)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=STOP_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 ERROR_LINE = re.compile(r"(?:^|\] )((?:[\w.]+)(?:Error|Exception): .+)$")
