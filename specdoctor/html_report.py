@@ -7,6 +7,7 @@ import base64
 from html import escape
 
 from specdoctor.charts import bar_chart, line_chart
+from specdoctor.probe.output_sweeps import SAMPLING_BINS
 from specdoctor.report import CheckReport, ProbeReport, Report, Sweep
 
 STYLE = """
@@ -74,7 +75,8 @@ def sweep_section(sweep: Sweep) -> str:
             position_bars(f"{sweep.name}: per-position acceptance", {p["label"]: rates(p["metrics"]) for p in measured})
         )
     for point in (p for p in sweep.points if "observed" in p):
-        bins = [f"rank {i + 1}" for i in range(len(point["observed"]) - 1)] + ["rest"]
+        width = len(point["observed"])  # the reported ranks and the rest, trailing sparse bins folded together
+        bins = [f"rank {i + 1}" for i in range(width - 1)] + ["rest" if width > SAMPLING_BINS else f"rank {width} on"]
         series = {"observed": [float(o) for o in point["observed"]], "expected": point["expected"]}
         title = f"sampled tokens by rank, {point['label']} (p = {point['p_value']:.2g})"
         parts.append(image(bar_chart(title, bins, series, "tokens"), title))

@@ -14,6 +14,7 @@ from specdoctor.commands.output import emit_report
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.options import DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
 from specdoctor.probe.pace import SAFETY
+from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, parse_settings
 from specdoctor.report import ProbeReport, Sweep, acceptance_row, findings_table, render_verdict
 
 UrlOption = Annotated[str, typer.Option("--url", help="Base URL of the deployment, e.g. http://127.0.0.1:8000")]
@@ -45,7 +46,17 @@ ConcurrencyOption = Annotated[
     str | None, typer.Option(help="Acceptance at each number of requests in flight, e.g. 1,4,16.")
 ]
 SamplingOption = Annotated[
-    int, typer.Option(min=0, help="Sample this many tokens at temperature 1: are they the target's distribution?")
+    int,
+    typer.Option(
+        min=0, help="Sample this many tokens at each sampling setting: are they the target's distribution there?"
+    ),
+]
+SamplingSettingsOption = Annotated[
+    str,
+    typer.Option(
+        help="The sampling sweep's settings, TEMPERATURE[:TOP_P[:TOP_K]] comma-separated: temperature 1 and the "
+        "chat defaults by default."
+    ),
 ]
 ReferenceUrlOption = Annotated[
     str | None, typer.Option(help="The same model served with speculation off: greedy output must be identical.")
@@ -55,7 +66,8 @@ AllFlag = Annotated[
     typer.Option(
         "--all",
         help=f"Every sweep: context, prefix cache, concurrency {','.join(map(str, DEFAULT_CONCURRENCY))}, sampling "
-        f"{DEFAULT_SAMPLING_TOKENS} tokens, and the reference comparison where --reference-url is given.",
+        f"{DEFAULT_SAMPLING_TOKENS} tokens at each setting, and the reference comparison where --reference-url is "
+        "given.",
     ),
 ]
 
@@ -97,6 +109,7 @@ def probe(
     prefix_cache: PrefixCacheFlag = False,
     concurrency: ConcurrencyOption = None,
     sampling: SamplingOption = 0,
+    sampling_settings: SamplingSettingsOption = DEFAULT_SETTINGS,
     reference_url: ReferenceUrlOption = None,
     run_all: AllFlag = False,
     json_out: JsonReportOption = None,
@@ -114,7 +127,9 @@ def probe(
         prefix_cache=prefix_cache or run_all,
         concurrency=concurrency_levels(concurrency) or (DEFAULT_CONCURRENCY if run_all else ()),
         sampling_tokens=sampling or (DEFAULT_SAMPLING_TOKENS if run_all else 0),
+        sampling_settings=parse_settings(sampling_settings),
         reference_url=reference_url,
+        every_sweep=run_all,
     )
     options = ProbeOptions(
         url, api_key, model, battery, min_acceptance_length, max_tokens, request_timeout, timeout, sweeps

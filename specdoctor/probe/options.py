@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
+from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, SamplingSetting, parse_settings
 
 DEFAULT_CONCURRENCY = (1, 4, 16)
 DEFAULT_SAMPLING_TOKENS = 2000
@@ -19,8 +20,10 @@ class SweepOptions:
     sweep_prompts: int = 3  # prompts per context-length bucket
     prefix_cache: bool = False
     concurrency: tuple[int, ...] = ()  # () : no concurrency sweep
-    sampling_tokens: int = 0  # 0 : no sampling sweep
+    sampling_tokens: int = 0  # 0 : no sampling sweep; else the tokens sampled at each setting
+    sampling_settings: tuple[SamplingSetting, ...] = parse_settings(DEFAULT_SETTINGS)
     reference_url: str | None = None  # the same model served with speculation off
+    every_sweep: bool = False  # --all: a sweep it cannot run for want of a flag is said, not left out silently
 
     @property
     def asked(self) -> list[str]:

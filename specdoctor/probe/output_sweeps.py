@@ -4,9 +4,11 @@ the target's own distribution, and is greedy output the same with speculation of
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from specdoctor.probe.client import Probe, Served, first_choice
 from specdoctor.probe.options import SweepOptions
+from specdoctor.probe.sampling_settings import SamplingSetting, merge_sparse_bins, rank_probabilities
 from specdoctor.probe.stats import ALPHA, calibration_p_value
 from specdoctor.probe.verdicts import not_run, sweep_of
 from specdoctor.report import Finding, Sweep
@@ -23,7 +25,8 @@ TIE_MARGIN = 0.125
 SAMPLING_HINT = (
     "the rejection sampler no longer keeps the target's distribution: vLLM reused the Philox offset for "
     "probabilistic drafts (PRs #47386, #54282), vllm-ascend reused the acceptance uniform for the resample "
-    "(#16370): upgrade, or draft greedily (vLLM's default draft_sample_method)"
+    "(#16370), vLLM v0 verified at temperature 1 whatever the request asked (#9834, fixed by #10198): upgrade, "
+    "or draft greedily (vLLM's default draft_sample_method)"
 )
 REFERENCE_HINT = (
     "greedy output must not change with speculation: a verification bug (TRT-LLM PR #17110: accuracy fell at the "
@@ -31,12 +34,12 @@ REFERENCE_HINT = (
 )
 
 
-def sampling_fields(engine: str) -> dict:
-    """Temperature 1 and nothing else that reshapes the distribution: the reported log-probabilities are the
-    raw ones (vLLM's default logprobs mode), and engines fill unset fields from the model's generation config."""
+def sampling_fields(engine: str, setting: SamplingSetting) -> dict:
+    """The setting asked for and nothing else that reshapes the distribution: the reported log-probabilities are
+    the raw ones (vLLM's default logprobs mode), and engines fill unset fields from the model's generation config."""
     fields = {
-        "temperature": 1.0,
-        "top_p": 1.0,
+        "temperature": setting.temperature,
+        "top_p": setting.top_p,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "logprobs": SAMPLING_BINS,
@@ -44,15 +47,28 @@ def sampling_fields(engine: str) -> dict:
         "ignore_eos": True,
     }
     if engine in ("vllm", "sglang"):  # their extensions; vLLM disables top-k with 0, SGLang with -1
-        fields |= {"top_k": 0 if engine == "vllm" else -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        off = 0 if engine == "vllm" else -1
+        fields |= {"top_k": setting.top_k or off, "min_p": 0.0, "repetition_penalty": 1.0}
+    elif setting.top_k:
+        fields["top_k"] = setting.top_k  # specdoctor's server takes it
     return fields
 
 
-def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | str:
-    """(bin probabilities, bin landed in) for every sampled token whose top SAMPLING_BINS were reported; or why
-    not: no log-probabilities, or entries named by text (texts collide, and which do can depend on the token
-    sampled, which would bias the bins)."""
-    probabilities, outcomes = [], []
+@dataclass
+class SampledSteps:
+    """Every sampled token whose rank distribution the setting fixes: its bins' probabilities (the reported ranks,
+    then the rest) and the bin it landed in; `outside`: tokens drawn where the setting gives no chance."""
+
+    probabilities: list[list[float]] = field(default_factory=list)
+    outcomes: list[int] = field(default_factory=list)
+    outside: int = 0
+    undetermined: int = 0  # steps the unreported tail leaves open under this setting
+
+
+def sampled_steps(replies: list[dict], setting: SamplingSetting) -> SampledSteps | str:
+    """The steps of these replies, or why they cannot be read: no log-probabilities, or entries named by text
+    (texts collide, and which do can depend on the token sampled, which would bias the bins)."""
+    steps = SampledSteps()
     for reply in replies:
         logprobs = first_choice(reply).get("logprobs")
         if not logprobs or not logprobs.get("top_logprobs"):
@@ -63,40 +79,56 @@ def sampled_steps(replies: list[dict]) -> tuple[list[list[float]], list[int]] | 
             ranked = sorted((top or {}).items(), key=lambda item: -item[1])[:SAMPLING_BINS]
             if len(ranked) < SAMPLING_BINS:  # a vocabulary smaller than the bins
                 continue
-            bins = [math.exp(value) for _, value in ranked]
-            probabilities.append([*bins, max(0.0, 1.0 - sum(bins))])
+            bins = rank_probabilities([value for _, value in ranked], setting)
+            if bins is None:
+                steps.undetermined += 1
+                continue
             names = [name for name, _ in ranked]
-            outcomes.append(names.index(token) if token in names else SAMPLING_BINS)
-    return probabilities, outcomes
+            outcome = names.index(token) if token in names else SAMPLING_BINS
+            if bins[outcome] == 0:
+                steps.outside += 1
+                continue
+            steps.probabilities.append(bins)
+            steps.outcomes.append(outcome)
+    return steps
 
 
-def calibration(probe: Probe, served: Served, tokens: int, prompts: list) -> dict | str:
-    """The sampled tokens' bins against the reported distribution: the test's figures, or why it cannot run."""
+def calibration(probe: Probe, served: Served, tokens: int, prompts: list, setting: SamplingSetting) -> dict | str:
+    """The sampled tokens' bins against the reported distribution under `setting`: the test's figures, or why it
+    cannot run."""
     requests = -(-tokens // SAMPLING_TOKENS_PER_REQUEST)
     group = [prompts[i % len(prompts)] for i in range(requests)]
-    fields = {**sampling_fields(served.engine), "max_tokens": SAMPLING_TOKENS_PER_REQUEST}
+    fields = {**sampling_fields(served.engine, setting), "max_tokens": SAMPLING_TOKENS_PER_REQUEST}
     window = probe.measure(served.model, group, SAMPLING_CONCURRENCY, **fields)
     if window.errors:
         return f"sampled requests failed: {window.errors[0]}"
-    steps = sampled_steps(window.replies)
+    steps = sampled_steps(window.replies, setting)
     if isinstance(steps, str):
         return f"{probe.url} {steps}"
-    probabilities, outcomes = steps
-    expected = [sum(column) for column in zip(*probabilities, strict=True)] if outcomes else [0.0]
-    if min(expected) < MIN_EXPECTED:
-        return f"{len(outcomes)} sampled tokens leave a bin expecting {min(expected):.1f} < {MIN_EXPECTED}: ask more"
-    statistic, p_value, df = calibration_p_value(probabilities, outcomes)
-    observed = [outcomes.count(b) for b in range(SAMPLING_BINS + 1)]
-    return {
-        "tokens": len(outcomes),
-        "statistic": statistic,
-        "df": df,
-        "p_value": p_value,
-        "expected": expected,
-        "observed": observed,
+    merged = merge_sparse_bins(steps.probabilities, steps.outcomes, MIN_EXPECTED)
+    if merged is None and not steps.outside:
+        return (
+            f"{len(steps.outcomes)} sampled tokens at {setting.label} ({steps.undetermined} more left open by the "
+            f"unreported tail) leave fewer than two bins expecting {MIN_EXPECTED}: ask more"
+        )
+    result = {
+        "setting": setting.label,
+        "tokens": len(steps.outcomes) + steps.outside,
+        "undetermined": steps.undetermined,
+        "outside": steps.outside,
+        "statistic": 0.0,
+        "df": 0,
+        "p_value": 0.0,  # a token the setting gives no chance: impossible under a sampler that applies it
         "drafted": window.drafted,
         **point_figures(window),
     }
+    if merged:  # the bins by rank, the last one holding every rank folded into it
+        probabilities, outcomes = merged
+        statistic, p_value, df = calibration_p_value(probabilities, outcomes)
+        result |= {"statistic": statistic, "df": df, "p_value": 0.0 if steps.outside else p_value}
+        result["expected"] = [sum(column) for column in zip(*probabilities, strict=True)]
+        result["observed"] = [outcomes.count(b) for b in range(len(probabilities[0]))]
+    return result
 
 
 def point_figures(window) -> dict:
@@ -104,30 +136,48 @@ def point_figures(window) -> dict:
 
 
 def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
-    result = calibration(probe, served, options.sampling_tokens, prompts)
-    if isinstance(result, str):
-        return not_run("sampling", result)
-    if not result["drafted"]:
-        return not_run("sampling", "no draft was proposed for the sampled requests: speculation was not tested")
-    points = [{"label": probe.url, **result}]
-    findings = []
-    if result["p_value"] < ALPHA:
+    """One calibration per setting asked for; the sweep fails where any setting's output is not the distribution
+    the server reports, transformed to that setting."""
+    points, findings, summaries = [], [], []
+    for setting in options.sampling_settings:
+        result = calibration(probe, served, options.sampling_tokens, prompts, setting)
+        if isinstance(result, str):
+            return not_run("sampling", result)
+        if not result["drafted"]:
+            return not_run("sampling", "no draft was proposed for the sampled requests: speculation was not tested")
+        points.append({"label": f"{probe.url} at {setting.label}", **result})
+        summaries.append(f"{setting.label}: {result['tokens']} tokens, p = {result['p_value']:.2g}")
+        if result["p_value"] < ALPHA / len(options.sampling_settings):
+            findings.append(sampling_finding(probe, served, options, prompts, setting, result, points))
+    return sweep_of("sampling", "; ".join(summaries), points[0]["source"], points, findings)
+
+
+def sampling_finding(probe, served, options, prompts, setting, result, points) -> Finding:
+    """The setting's output is off its distribution; with a reference, the same test without speculation tells
+    the sampler from the speculation."""
+    alpha = ALPHA / len(options.sampling_settings)
+    if result["outside"]:
         message = (
-            f"sampled output is not the target's reported distribution: chi-square {result['statistic']:.1f} on "
-            f"{result['df']} degrees of freedom over {result['tokens']} tokens (p = {result['p_value']:.1e} < {ALPHA})"
+            f"at {setting.label}, {result['outside']} of {result['tokens']} sampled tokens fell where that setting "
+            "gives the reported distribution no chance (outside its top-p nucleus or top-k): the request's sampling "
+            "parameters were not applied, or the reported log-probabilities are not the ones sampled from"
         )
-        severity = "error"
-        if options.reference_url:  # the same test without speculation tells the sampler from the speculation
-            reference = calibration(
-                Probe(probe.options, options.reference_url), served, options.sampling_tokens, prompts
-            )
-            if isinstance(reference, dict):
-                points.append({"label": options.reference_url, **reference})
-                if reference["p_value"] < ALPHA:
-                    severity, message = "warning", message + "; the reference fails too: the sampler, not speculation"
-        findings.append(Finding("probe.sampling", severity, message, SAMPLING_HINT, "sampling", result))
-    summary = f"{result['tokens']} tokens at temperature 1: chi-square p = {result['p_value']:.2g}"
-    return sweep_of("sampling", summary, result["source"], points, findings)
+    else:
+        message = (
+            f"at {setting.label}, sampled output is not the target's reported distribution: chi-square "
+            f"{result['statistic']:.1f} on {result['df']} degrees of freedom over {result['tokens']} tokens "
+            f"(p = {result['p_value']:.1e} < {alpha:.1g})"
+        )
+    severity = "error"
+    if options.reference_url:
+        reference = calibration(
+            Probe(probe.options, options.reference_url), served, options.sampling_tokens, prompts, setting
+        )
+        if isinstance(reference, dict):
+            points.append({"label": f"{options.reference_url} at {setting.label}", **reference})
+            if reference["p_value"] < alpha:
+                severity, message = "warning", message + "; the reference fails too: the sampler, not speculation"
+    return Finding("probe.sampling", severity, message, SAMPLING_HINT, "sampling", result)
 
 
 def output_ids(reply: dict) -> list | None:

@@ -14,7 +14,7 @@ from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.output_sweeps import reference_sweep, sampling_sweep
 from specdoctor.probe.pace import BudgetSpent
 from specdoctor.probe.verdicts import not_run
-from specdoctor.report import ProbeReport, Sweep
+from specdoctor.report import Finding, ProbeReport, Sweep
 
 
 def run_probe(options: ProbeOptions) -> ProbeReport:
@@ -35,6 +35,9 @@ def run_probe(options: ProbeOptions) -> ProbeReport:
     metrics = window.figures()["metrics"]
     report = ProbeReport(options.url, served.model, served.engine, settings, window.source, answered, metrics, findings)
     report.sweeps = run_sweeps(probe, served, battery, prompts, baseline)
+    if options.sweeps.every_sweep and not options.sweeps.reference_url:
+        message = "reference: not run (no --reference-url): greedy output was not compared with speculation off"
+        report.findings.append(Finding("probe.reference", "info", message, stage="probe"))
     return report
 
 

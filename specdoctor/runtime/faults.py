@@ -11,6 +11,9 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
   rejection-reuse-uniform  the recovered token draws no fresh noise: it reuses the draft's acceptance
                            uniform for every candidate, so the race is decided by the residual alone
                            (vllm-ascend#16370); output at temperature > 0 is no longer the target's
+  sampling-params-ignored  verification computes the target's distribution at temperature 1, whatever temperature,
+                           top-p or top-k the request asked (vLLM v0, vllm#9834, fixed by #10198): sampled output
+                           at another setting is temperature-1 text, and its acceptance falls
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
                            the target's embedding: TP rank 0 does, the others leave their shard as allocated
                            (vllm#50158)
@@ -28,6 +31,7 @@ SWITCHES = (
     "stale-batch-rows",
     "prefix-cache-drafter-kv",
     "rejection-reuse-uniform",
+    "sampling-params-ignored",
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
@@ -40,6 +44,7 @@ class Faults:
     stale_batch_rows: bool = False
     prefix_cache_drafter_kv: bool = False
     rejection_reuse_uniform: bool = False
+    sampling_params_ignored: bool = False
     per_rank_sharing: bool = False
     vocab_shard_shifted: bool = False
 

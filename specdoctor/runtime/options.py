@@ -220,8 +220,8 @@ class RuntimeOptions:
         None,
         "--fault",
         help="Reproduce engine faults, comma-separated: drafter-max-position=N, stale-batch-rows, "
-        "prefix-cache-drafter-kv, rejection-reuse-uniform (docs/probe.md); per-rank-sharing, vocab-shard-shifted "
-        "(docs/tensor-parallel.md).",
+        "prefix-cache-drafter-kv, rejection-reuse-uniform, sampling-params-ignored (docs/probe.md); "
+        "per-rank-sharing, vocab-shard-shifted (docs/tensor-parallel.md).",
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")
     dtype: Dtype = option(Dtype.FLOAT32, "--dtype", help="Compute dtype.")

@@ -173,7 +173,7 @@ def make_jobs(
             )
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
-            sampling = SamplingParams(float(body.temperature), 0, float(body.top_p), seed)
+            sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)
             jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs)))
     return jobs
 

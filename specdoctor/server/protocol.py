@@ -31,6 +31,7 @@ class SamplingFields(BaseModel):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI's newer name; wins when both
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=0, ge=-1)  # vLLM's extension: 0 or -1 keep every token
     seed: StrictInt | None = None
     stop: StopString | list[StopString] | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: these ids end the request too

@@ -264,7 +264,8 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     tests above show gives vLLM's tokens). Two do not, and both are vLLM's (docs/probe.md §What vLLM 0.32 showed):
     with MTP its prefix cache never hits (0 cached tokens for prompts sent twice: the prefix-cache sweep cannot
     verify anything and says so), and at temperature 1 it emits tokens its own reported distribution gives
-    log-probabilities down to about -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes)."""
+    log-probabilities down to about -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes);
+    at 0.6 and 0.8 with top-p 0.95, tokens outside that distribution's nucleus."""
     reference = SpecdoctorServer("--num-speculative-tokens", "0")
     try:
         result = probe(vllm_demo.url, "--all", "--sampling", "600", "--reference-url", reference.url)
@@ -283,7 +284,10 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     assert len(sweeps["context"]["points"]) == 3  # 128, 256 and 432 tokens under vLLM's max_model_len of 512
     assert sweeps["prefix-cache"]["summary"] == "the warm prompts found nothing in the prefix cache: caching is off"
     errors = [f for f in report["findings"] if f["severity"] == "error"]
-    assert [f["check"] for f in errors] == ["probe.prefix-cache", "probe.sampling"]
+    # temperature 1 fails every run (p near 0); at the chat defaults vLLM also emits tokens outside the top-p
+    # nucleus of its own reported distribution (6 of 288 at 0.6, 1 of 141 at 0.8 in one run), found most runs
+    assert [f["check"] for f in errors[:2]] == ["probe.prefix-cache", "probe.sampling"]
+    assert {f["check"] for f in errors[2:]} <= {"probe.sampling"} and errors[1]["data"]["setting"] == "temperature 1"
     assert errors[1]["data"]["p_value"] < 1e-6 and report["verdict"]["summary"].startswith("not verified: prefix-cache")
 
 

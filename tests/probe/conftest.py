@@ -7,7 +7,12 @@ import pytest
 from tests.helpers.servers import SpecdoctorServer as Server
 
 DUMMY_PAST = 1024  # the faulty server's drafter-max-position: under the demo's 2,048-token context
-FAULTS = (f"drafter-max-position={DUMMY_PAST}", "stale-batch-rows", "rejection-reuse-uniform")
+FAULTS = (
+    f"drafter-max-position={DUMMY_PAST}",
+    "stale-batch-rows",
+    "rejection-reuse-uniform",
+    "sampling-params-ignored",  # at temperature 1 it changes nothing: the other sampling fault's test is its own
+)
 
 
 @pytest.fixture(scope="package")

@@ -198,15 +198,18 @@ class Throttled:
 def test_a_slow_but_healthy_server_is_waited_for_at_its_own_pace(servers):
     """The healthy server at half its speed, and a floor of 1 s a request: requests that take several seconds
     (the sampling sweep's) get what the server's measured pace needs, and every sweep passes (smaller ones than the
-    defaults: it is the timeouts that are tested)."""
+    defaults: it is the timeouts that are tested; the reference sweep is the one --all leaves out, saying so)."""
     healthy = servers["healthy"]
     with Throttled(healthy.rank_pids, stopped_s=0.1, running_s=0.1):
         args = ("--all", "--context-lengths", "128,512", "--concurrency", "1,4", "--sampling", "300")
-        result = probe(
-            healthy.url, *args, "--reference-url", servers["off"].url, "--request-timeout", "1", "--json", "-"
-        )
+        args += ("--sampling-settings", "1")  # one setting: it is the pace that is tested
+        result = probe(healthy.url, *args, "--request-timeout", "1", "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    assert json.loads(result.stdout)["verdict"]["healthy"]
+    report = json.loads(result.stdout)
+    assert report["verdict"]["healthy"]
+    # --all without a reference says the comparison it could not make, rather than leaving it out silently
+    said = [f["message"] for f in report["findings"] if f["check"] == "probe.reference"]
+    assert said == ["reference: not run (no --reference-url): greedy output was not compared with speculation off"]
 
 
 def test_the_request_timeout_follows_the_measured_pace_inside_the_budget():

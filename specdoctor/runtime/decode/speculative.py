@@ -19,7 +19,7 @@ from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.compile import LayerGraphs
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
 from specdoctor.runtime.faults import Faults
-from specdoctor.runtime.sampling import RowSampler, greedy_tokens, probabilities, sample
+from specdoctor.runtime.sampling import RowSampler, SamplingParams, greedy_tokens, probabilities, sample
 
 DUMMY_DRAFT = 0  # vLLM's stand-in draft where the drafter does not run: an ordinary token id
 
@@ -150,6 +150,9 @@ class Drafts:
         return joined
 
 
+RAW = SamplingParams(temperature=1.0)  # the target's own distribution, untempered and untruncated
+
+
 def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """The q of drafts that were not sampled: all mass on the draft ([...] -> [..., V])."""
     return torch.nn.functional.one_hot(tokens, vocab).to(torch.float32)
@@ -162,7 +165,8 @@ def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, drafts: "Dra
     for row in sampler.sampled_rows:
         one = slice(row, row + 1)
         generator = sampler.generators[row]
-        p = probabilities(target_logits[one], sampler.params[row])  # [1, k+1, V]
+        ignored = drafts is not None and drafts.faults.sampling_params_ignored
+        p = probabilities(target_logits[one], RAW if ignored else sampler.params[row])  # [1, k+1, V]
         if drafts is None:
             q = p[:, :0]  # [1, k, V]: k is 0
         else:  # drafts without a q (dummy drafts) are verified as greedy ones are
