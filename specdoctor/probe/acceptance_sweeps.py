@@ -193,4 +193,7 @@ def compare_groups(
             data = {"from": labels[index], "p_value": p_value, "limit": limit, "alpha": alpha}
             findings.append(Finding(f"probe.{name}", severity, f"acceptance {what}: {evidence}", hint, name, data))
     shown = ", ".join(f"{w.mean_length:.2f} at {label}" for w, label in zip(windows, labels, strict=True))
-    return sweep_of(name, f"mean acceptance length {shown}", windows[0].source, points, findings)
+    floor = (
+        f"; cliff limit the {limit:.0%} floor: the server returns no token ids" if cliff and baseline is None else ""
+    )
+    return sweep_of(name, f"mean acceptance length {shown}{floor}", windows[0].source, points, findings)

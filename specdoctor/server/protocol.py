@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: these ids end the request too
     ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's end-of-sequence ids
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: log-probability entries named "token_id:N"
+    return_token_ids: StrictBool = False  # vLLM's extension: each choice carries its prompt's and its output's ids
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

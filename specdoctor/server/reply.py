@@ -66,12 +66,21 @@ class Reply:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def choice(self, index: int, text: str, reason: str | None, delta: bool, logprobs: list | None = None) -> dict:
-        shown = self.logprobs(logprobs, delta) if self.jobs[index].sequence.logprobs is not None else None
+    def choice(self, index: int, text: str, reason: str | None, delta: bool, tokens: tuple[int, int]) -> dict:
+        """Choice `index` covering its output tokens [start, end) (a stream's delta covers those it adds)."""
+        job = self.jobs[index]
+        logprobs = token_logprobs(job, *tokens)
+        shown = self.logprobs(logprobs, delta) if job.sequence.logprobs is not None else None
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
-        key = "delta" if delta else "message"
-        return {"index": index, key: {"role": "assistant", "content": text}, "logprobs": shown, "finish_reason": reason}
+            found = {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+        else:
+            key = "delta" if delta else "message"
+            found = {"index": index, key: {"role": "assistant", "content": text}, "logprobs": shown}
+            found["finish_reason"] = reason
+        if self.body.return_token_ids:  # as vLLM returns them: the prompt's once, then the output's
+            found["prompt_token_ids"] = list(job.sequence.prompt) if tokens[0] == 0 else None
+            found["token_ids"] = job.tokens[tokens[0] : tokens[1]]
+        return found
 
     def logprobs(self, entries: list[tuple[int, TokenLogprob]], delta: bool) -> dict:
         """OpenAI's shapes: chat's `content` list, or the completions API's parallel lists."""
@@ -117,7 +126,7 @@ class Reply:
         choices = []
         for index, job in enumerate(self.jobs):
             text, reason = self.finish(job)
-            choices.append(self.choice(index, text, reason, False, token_logprobs(job, 0, len(job.tokens))))
+            choices.append(self.choice(index, text, reason, False, (0, len(job.tokens))))
         spec = combined([job.metrics for job in self.jobs])
         return {**self.envelope(choices, chunk=False), "usage": self.usage(), **self.spec_fields(spec)}
 
@@ -162,7 +171,7 @@ class Reply:
 
     def chunk(self, index: int, text: str, reason, job: Job, start: int, end: int, extra: dict | None = None) -> str:
         """A streamed delta, with the log-probabilities of the tokens it newly covers."""
-        choice = self.choice(index, text, reason, True, token_logprobs(job, start, end))
+        choice = self.choice(index, text, reason, True, (start, end))
         return self.sse({**self.envelope([choice], True), **(extra or {})})
 
     def spec_fields(self, spec: SpecMetrics) -> dict:

@@ -89,3 +89,6 @@ def test_the_cliff_limit_follows_the_bigram_baseline_where_there_is_one(baseline
     is_cliff = rate_upper_bound(group, DRAFTS, ALPHA) < limit
     assert any(f.severity == "error" for f in sweep.findings) is is_cliff
     assert is_cliff is (baseline == 0.3)
+    assert "floor" not in sweep.summary  # a baseline was known
+    without = compare_groups("context", [window(150), window(group)], labels, None, True, "hint")
+    assert without.summary.endswith("cliff limit the 20% floor: the server returns no token ids")

@@ -129,7 +129,7 @@ def test_usage_counts_each_prompt_once_for_its_n_choices_and_every_choices_token
 def test_completion_logprobs_are_the_completions_apis_parallel_lists():
     job = finished_job(TOKENS, "length", logprobs=2)
     reply = Reply(server_state(), CompletionRequest(prompt="x", logprobs=2), [job], chat=False)
-    choice = reply.choice(0, TEXT, "length", False, token_logprobs(job, 0, len(TOKENS)))
+    choice = reply.choice(0, TEXT, "length", False, (0, len(TOKENS)))
     assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
     assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, TEXT, "length")
     shown = choice["logprobs"]
@@ -144,7 +144,7 @@ def test_completion_logprobs_are_the_completions_apis_parallel_lists():
         values = list(top.values())
         assert all(v <= 0 for v in values) and values == sorted(values, reverse=True)  # log-probabilities, best first
     # A streamed delta covers only the tokens it carries.
-    part = reply.choice(0, "", None, True, token_logprobs(job, 3, 5))["logprobs"]
+    part = reply.choice(0, "", None, True, (3, 5))["logprobs"]
     assert part["tokens"] == texts[3:5] and part["text_offset"] == [0, len(texts[3])]
 
 
@@ -152,7 +152,7 @@ def test_chat_logprobs_are_content_entries_with_their_utf8_bytes_and_top_alterna
     job = finished_job(TOKENS, "length", logprobs=3)
     body = ChatRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3)
     reply = Reply(server_state(), body, [job], chat=True)
-    whole = reply.choice(0, TEXT, "length", False, token_logprobs(job, 0, len(TOKENS)))
+    whole = reply.choice(0, TEXT, "length", False, (0, len(TOKENS)))
     assert whole["message"] == {"role": "assistant", "content": TEXT} and whole["finish_reason"] == "length"
     content = whole["logprobs"]["content"]
     assert "".join(entry["token"] for entry in content) == TEXT
@@ -168,7 +168,7 @@ def test_chat_logprobs_are_content_entries_with_their_utf8_bytes_and_top_alterna
             ],
         }
         assert len(entry["top_logprobs"]) == 3
-    delta = reply.choice(0, "de", None, True, [])
+    delta = reply.choice(0, "de", None, True, (0, 0))
     assert delta["delta"] == {"role": "assistant", "content": "de"} and "message" not in delta
 
 
@@ -176,7 +176,20 @@ def test_no_logprobs_unless_asked_for():
     job = finished_job(TOKENS, "length")
     reply = Reply(server_state(), CompletionRequest(prompt="x"), [job], chat=False)
     assert token_logprobs(job, 0, len(TOKENS)) == []
-    assert reply.choice(0, TEXT, "length", False, [])["logprobs"] is None
+    assert reply.choice(0, TEXT, "length", False, (0, len(TOKENS)))["logprobs"] is None
+
+
+def test_return_token_ids_gives_the_prompts_ids_once_and_each_deltas_own():
+    """vLLM's extension, as vLLM returns it: the prompt's ids on the choice that starts the output, and each
+    choice or delta's own output ids; nothing unless asked."""
+    job = finished_job(TOKENS, "length")
+    reply = Reply(server_state(), CompletionRequest(prompt="x", return_token_ids=True), [job], chat=False)
+    whole = reply.choice(0, TEXT, "length", False, (0, len(TOKENS)))
+    assert whole["token_ids"] == TOKENS and whole["prompt_token_ids"] == list(job.sequence.prompt)
+    later = reply.choice(0, "", None, True, (3, 5))
+    assert later["token_ids"] == TOKENS[3:5] and later["prompt_token_ids"] is None
+    plain = Reply(server_state(), CompletionRequest(prompt="x"), [job], chat=False)
+    assert "token_ids" not in plain.choice(0, TEXT, "length", False, (0, len(TOKENS)))
 
 
 def serve(reply: Reply, jobs: list[Job], consume):
