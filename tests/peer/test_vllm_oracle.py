@@ -268,7 +268,7 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     at 0.6 and 0.8 with top-p 0.95, tokens outside that distribution's nucleus."""
     reference = SpecdoctorServer("--num-speculative-tokens", "0")
     try:
-        result = probe(vllm_demo.url, "--all", "--sampling", "300", "--reference-url", reference.url)
+        result = probe(vllm_demo.url, "--all", "--sampling", "600", "--reference-url", reference.url)
     finally:
         reference.stop()
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr
