@@ -20,8 +20,6 @@ from specdoctor.workflow.check import CheckOptions, placement_row, settings_dict
 from specdoctor.workflow.drafter import CheckClock, preflight_findings, skipped
 from specdoctor.workflow.vllm_args import TRANSLATED, vllm_arguments, without_speculation
 
-# The precision of vLLM's compute dtypes, for the rounding-tie rule (checks/behaviour.py).
-EPSILON = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 HINT = "vLLM's worker holds the wrong rows: specdoctor check --engine vllm --repair repairs them in the workers, "
 HINT += "and specdoctor serve --engine vllm serves with them repaired"
 
@@ -126,8 +124,7 @@ def record_vllm_run(report: CheckReport, options: VllmCheckOptions, served, refe
 
 
 def label(report: dict) -> str:
-    place = report["worker"]
-    return f"TP {place['tp_rank']}/{place['tp_size']}, PP {place['pp_rank']}/{place['pp_size']}"
+    return report["worker"]["label"]  # as the worker named itself (WorkerPlace.label)
 
 
 def worker_finding(name: str, message: str) -> Finding:
@@ -136,7 +133,7 @@ def worker_finding(name: str, message: str) -> Finding:
 
 def table_findings(report: dict, which: str, stage: str) -> list[Finding]:
     """One finding per drafter table of one worker (or the error that stopped its examination)."""
-    where = label(report) if "tp_size" in report["worker"] else str(report["worker"])
+    where = label(report)
     if "error" in report:
         return [Finding("engine.worker", "error", f"vLLM worker {where}: {report['error']}", stage=stage)]
     if not report.get("has_drafter"):
@@ -155,7 +152,7 @@ def table_findings(report: dict, which: str, stage: str) -> list[Finding]:
 
 def repair_findings(report: dict) -> list[Finding]:
     if "error" in report:
-        return [Finding("repair", "error", f"vLLM worker {report['worker']}: {report['error']}", stage="repair")]
+        return [Finding("repair", "error", f"vLLM worker {label(report)}: {report['error']}", stage="repair")]
     repair = report.get("repair") or {"repaired": {}}
     return [
         Finding("repair", "info", f"filled {name} from {key} on vLLM worker {label(report)}", stage="repair")
@@ -166,6 +163,8 @@ def repair_findings(report: dict) -> list[Finding]:
 def battery_behaviour(answers, reference, options: VllmCheckOptions, k: int, config, stage: str, dtype: str) -> dict:
     """The behaviour stage from vLLM's own numbers: its per-request counters summed, and its tokens against the
     reference's (speculation off), with the reference's raw logits for the rounding-tie rule."""
+    import torch
+
     from specdoctor.checks.acceptance import bigram_baseline
     from specdoctor.checks.behaviour import behaviour_findings
 
@@ -176,7 +175,9 @@ def battery_behaviour(answers, reference, options: VllmCheckOptions, k: int, con
         metrics.add(SpecMetrics(**answer["spec"]))
     lossless = [a == b for a, b in zip(plain, tokens, strict=True)]
     divergences = [
-        divergence(row, plain[row], tokens[row], reference["before"][row]["logits"], EPSILON[dtype])
+        divergence(
+            row, plain[row], tokens[row], reference["before"][row]["logits"], torch.finfo(getattr(torch, dtype)).eps
+        )
         for row, same in enumerate(lossless)
         if not same
     ]

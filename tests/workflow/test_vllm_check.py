@@ -11,7 +11,7 @@ from specdoctor.report import CheckReport
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.options import RuntimeOptions
 from specdoctor.workflow.check import CheckOptions
-from specdoctor.workflow.vllm_check import EPSILON, VllmCheckOptions, divergence, record_vllm_run
+from specdoctor.workflow.vllm_check import VllmCheckOptions, divergence, record_vllm_run
 
 WORKER = {"tp_rank": 0, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "label": "TP 0/2, PP 0/1"}
 HEALTHY_TABLE = {
@@ -59,6 +59,6 @@ def test_a_worker_that_wrote_no_report_is_an_error_never_healthy():
 def test_a_difference_is_a_tie_only_where_the_references_logits_are_within_rounding(speculative_logit, within):
     """The outputs first differ at token 1: the reference chose 7 (logit 9.0); the speculative run emitted 8."""
     logits = [{"6": 3.0}, {"7": 9.0, **({"8": speculative_logit} if speculative_logit is not None else {})}]
-    found = divergence(0, [6, 7], [6, 8], logits, EPSILON["float32"])
+    found = divergence(0, [6, 7], [6, 8], logits, 2.0**-23)
     assert (found["token"], found["target"], found["speculative"]) == (1, 7, 8)
     assert found["within_rounding"] is within

@@ -108,7 +108,8 @@ def report_worker(worker, directory: str, repair: bool) -> dict:
     try:
         report = examine_worker(worker, repair)
     except Exception as err:  # the report says what stopped it
-        report = {"worker": vars(worker_place()), "error": f"{type(err).__name__}: {err}"}
+        place = worker_place()
+        report = {"worker": vars(place) | {"label": place.label()}, "error": f"{type(err).__name__}: {err}"}
     place = report["worker"]
     path = Path(directory) / f"tp{place['tp_rank']}-pp{place['pp_rank']}.json"
     partial = path.with_suffix(".partial")
