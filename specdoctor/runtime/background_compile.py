@@ -117,6 +117,7 @@ class BackgroundCompiler:
         self.status.requested += 1
         self.jobs.put(Job(number, graphs, args, torch.is_grad_enabled()))
         if self.thread is None:
+            make_torchs_lazy_trace()
             self.thread = threading.Thread(target=self._run, name="specdoctor-compile", daemon=True)
             self.thread.start()
         return number
@@ -147,6 +148,17 @@ class BackgroundCompiler:
             with self.lock:
                 snapshot = copy.deepcopy(self.status)
             self.report(snapshot)
+
+
+def make_torchs_lazy_trace() -> None:
+    """Inductor makes one plain torch.fx trace per process, lazily (a placeholder graph its loop bodies share), and a
+    plain fx trace patches nn.Module.__call__ for every thread while it runs: a pass the serving thread ran meanwhile
+    failed ("module is not installed as a submodule"). Made here, on the serving thread, before the compile thread
+    starts (milliseconds: torch.compile has imported Inductor). The tracers Inductor runs per graph (make_fx's) pass
+    other threads' module calls through untouched."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm()
 
 
 def shape_class(args) -> tuple:

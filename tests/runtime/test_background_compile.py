@@ -4,8 +4,10 @@ whichever of them compiled first."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch._inductor.loop_body import InterpreterShim
+from torch.fx._symbolic_trace import _Patcher
 
 from specdoctor.battery import battery_prompts
 from specdoctor.runtime.background_compile import BackgroundCompiler, shape_class
@@ -92,6 +96,41 @@ def test_a_shape_class_is_asked_for_once_while_its_graph_is_on_its_way(gated_com
         None,
     )
     assert shape_class((torch.zeros(3, 5), torch.zeros(3, 3))) != shape_class((torch.zeros(3, 5), torch.zeros(3, 4)))
+
+
+@pytest.mark.timeout(300)
+def test_the_serving_thread_runs_passes_while_the_compile_thread_traces(compile_cache, monkeypatch):
+    """A torch.fx trace patches nn.Module.__call__ for every thread while it runs. Each time the compile thread's
+    trace patches it, the serving thread runs a pass of a module that trace does not know, before the trace goes on:
+    each must run (a plain fx tracer fails it: "module is not installed as a submodule")."""
+    InterpreterShim._dummy_gm.cache_clear()  # Inductor's lazy trace made anew, as in a fresh process
+    patched, passes = queue.Queue(), []
+    patch_method = _Patcher.patch_method
+
+    def patch_and_wait(self, cls, name, new_fn, deduplicate=True):
+        patch_method(self, cls, name, new_fn, deduplicate)
+        if cls is torch.nn.Module and name == "__call__" and threading.current_thread().name == "specdoctor-compile":
+            ran = threading.Event()
+            patched.put(ran)
+            assert ran.wait(timeout=60)
+
+    monkeypatch.setattr(_Patcher, "patch_method", patch_and_wait)
+    module, other, x = Toy(), Toy(), torch.randn(2, 3, 8)
+    compiler = BackgroundCompiler()
+    compile_layers(module, compiler)
+    with torch.no_grad():
+        expected = other.run_layers(x)
+        module.run_layers(x)  # eager: asks for its graph
+        while compiler.finished_jobs < compiler.status.requested or not patched.empty():
+            with contextlib.suppress(queue.Empty):
+                ran = patched.get(timeout=0.05)
+                try:
+                    passes.append(torch.equal(other.run_layers(x), expected))
+                except NameError as error:
+                    passes.append(str(error))
+                ran.set()
+    assert compiler.status.compiled == 1, compiler.status
+    assert passes and all(ran is True for ran in passes), passes
 
 
 def tp_rank(rank: int, port: int, cache: str, delayed: int, out: str) -> None:
