@@ -41,7 +41,10 @@ MaxContextOption = Annotated[
 PrefixCacheFlag = Annotated[
     bool, typer.Option("--prefix-cache", help="Acceptance of the same long prompts cold, then warm (prefix-cached).")
 ]
-SweepPromptsOption = Annotated[int, typer.Option(min=1, help="Prompts per context-length bucket.")]
+SweepPromptsOption = Annotated[
+    int | None,
+    typer.Option(min=2, help="Prompts per context-length bucket (default: as many as the sweep's power needs)."),
+]
 ConcurrencyOption = Annotated[
     str | None, typer.Option(help="Acceptance at each number of requests in flight, e.g. 1,4,16.")
 ]
@@ -105,7 +108,7 @@ def probe(
     context_sweep: ContextSweepFlag = False,
     context_lengths: ContextLengthsOption = None,
     max_context: MaxContextOption = None,
-    sweep_prompts: SweepPromptsOption = 3,
+    sweep_prompts: SweepPromptsOption = None,
     prefix_cache: PrefixCacheFlag = False,
     concurrency: ConcurrencyOption = None,
     sampling: SamplingOption = 0,

@@ -5,21 +5,34 @@ cold ones, one request at a time) by position-0 acceptance, the rate every sourc
 from __future__ import annotations
 
 import secrets
+import threading
 
 from specdoctor.checks.acceptance import broken_position0_limit
 from specdoctor.probe import prometheus
 from specdoctor.probe.client import Probe, Served, Window
-from specdoctor.probe.corpus import corpus_prompt
+from specdoctor.probe.corpus import STARTS, corpus_prompt
 from specdoctor.probe.options import SweepOptions
-from specdoctor.probe.stats import ALPHA, drop_p_value, rate_upper_bound
+from specdoctor.probe.stats import ALPHA, POWER, clustered_upper_bound, fall_p_value, prompts_for_power
 from specdoctor.probe.verdicts import not_run, point, sweep_of
 from specdoctor.report import Finding, Sweep
 
 CONTEXT_START = 128  # the first bucket's length; each next one doubles
-CONTEXT_FILL = 0.9  # the last bucket fills this share of what max_model_len leaves after max_tokens
-# A corpus stretch whose token count gives the server's characters per token: a few hundred tokens, which any
-# max_model_len holds.
-CALIBRATION_CHARS = 800
+# The last bucket fills this share of what max_model_len leaves after max_tokens: a prompt's token count is estimated
+# from its characters, and the corpus' density varies from stretch to stretch (by a quarter, measured).
+CONTEXT_FILL = 0.8
+# A bucket fails when its position-0 rate is, with confidence, under this share of the first bucket's (healthy
+# drafters do decay with context: the demo's kept 55-60 % of it at 474 and 1,732 tokens), or under the
+# broken-drafter limit (a cliff).
+CONTEXT_KEEP = 0.5
+# The buckets' prompts are as many as a fall to this share of the first bucket's rate needs to be found with
+# stats.POWER (a drafter's RoPE past its trained range: 73 % -> 13 %), from the first bucket's own spread; at least
+# MIN_SWEEP_PROMPTS (the spread's estimate), at most corpus.STARTS.
+CONTEXT_SIZED_FOR = 0.25
+MIN_SWEEP_PROMPTS = 8
+# Corpus stretches whose token count gives the server's characters per token: CALIBRATION_CHARS from each of
+# CALIBRATION_STARTS of the prompts' starts, a few hundred tokens in all, which any max_model_len holds.
+CALIBRATION_CHARS = 100
+CALIBRATION_STARTS = 8
 
 CONTEXT_HINT = (
     "vLLM drafts dummy token 0 once a sequence passes a draft model's max_model_len (vllm#58080: give the draft "
@@ -32,7 +45,16 @@ PREFIX_HINT = (
     "then upgrade"
 )
 PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found in its prefix cache
-PREFIX_PROMPT_TOKENS = 128  # most of each warm prompt is then restored from whole cached blocks
+# The warm prompts must find at least this share of their tokens in the cache, or the sweep compares little: their
+# length is the shortest of 128, 256, ... tokens (then the most the server takes) at which a prompt sent twice finds
+# it (an engine caches whole blocks, and with a drafter vLLM recomputes the last one it matched: its CPU build's
+# 128-token blocks then need prompts of 257 tokens or more, and its 512-token test deployment leaves room for a
+# third restored).
+PREFIX_SHARE = 1 / 3
+PREFIX_DENSITY_MARGIN = 0.95  # a try cut by the last one's density aims this far under its length
+# The sweep's prompts are this share of the length found: other stretches of the corpus are denser (by a third).
+PREFIX_FILL = 0.7
+PREFIX_START = 128
 PREFIX_PROMPTS = 48  # and PREFIX_MAX_TOKENS each: about 800 drafts a group at a mean length of 2
 PREFIX_MAX_TOKENS = 32
 CONCURRENCY_HINT = (
@@ -40,6 +62,7 @@ CONCURRENCY_HINT = (
     "or CUDA graphs captured for another batch (vLLM PRs #54374, #52816): rerun with --enforce-eager (vLLM) or "
     "--disable-cuda-graph (SGLang) to see whether the graphs are at fault"
 )
+RUNNING = "vllm:num_requests_running"  # the running batch's size, a gauge (vLLM's, specdoctor serve's)
 
 
 def position0_rate(window: Window) -> float:
@@ -70,35 +93,55 @@ def context_sweep(probe: Probe, served: Served, options: SweepOptions, baseline:
     per_token = chars_per_token(probe, served)
     if isinstance(per_token, str):
         return not_run("context", per_token)
-    count = options.sweep_prompts
-    windows = []
+
+    def bucket(length: int, indices: range) -> Window:
+        return probe.measure(served.model, [corpus_prompt(i, int(length * per_token)) for i in indices])
+
+    alpha = ALPHA / (len(lengths) - 1)
+    count, windows = options.sweep_prompts or MIN_SWEEP_PROMPTS, []
     for length in lengths:
-        prompts = [corpus_prompt(i, count, int(length * per_token)) for i in range(count)]
-        window = probe.measure(served.model, prompts)
+        window = bucket(length, range(count))
+        if not windows and not options.sweep_prompts and not window.errors:  # the first bucket sizes them all
+            needed = prompts_for_power(window.position0_units, CONTEXT_SIZED_FOR, CONTEXT_KEEP, alpha)
+            count = max(count, min(STARTS, needed))
+            if count > len(window.replies):
+                window = window.joined(bucket(length, range(len(window.replies), count)))
         if window.errors:
             return not_run("context", f"prompts of about {length} tokens failed: {window.errors[0]}")
         windows.append(window)
     labels = [f"{prompt_tokens(window):,} tokens" for window in windows]
-    return compare_groups("context", windows, labels, baseline, cliff=True, hint=CONTEXT_HINT)
+    sized = f"{count} prompts a bucket" + (
+        " (--sweep-prompts)"
+        if options.sweep_prompts
+        else f" (power {POWER:g} to find a fall to {CONTEXT_SIZED_FOR:.0%} of the first bucket's rate"
+        + (f", but capped at the corpus' {STARTS} starts)" if count == STARTS else ")")
+    )
+    return compare_groups(
+        "context", windows, labels, baseline, CONTEXT_HINT, cliff=True, keep=CONTEXT_KEEP, sized=sized
+    )
 
 
 def chars_per_token(probe: Probe, served: Served) -> float | str:
     """The server's characters per token on the corpus, from a prompt's usage.prompt_tokens; or why not."""
-    reply = probe.complete(served.model, corpus_prompt(0, 1, CALIBRATION_CHARS), max_tokens=1)
+    step = STARTS // CALIBRATION_STARTS
+    text = "".join(corpus_prompt(i * step, CALIBRATION_CHARS) for i in range(CALIBRATION_STARTS))
+    reply = probe.complete(served.model, text, max_tokens=1)
     tokens = (reply.get("usage") or {}).get("prompt_tokens")
     if not isinstance(tokens, int) or tokens <= 0:
         return f"a text prompt got no usage.prompt_tokens: {reply.get('error', reply)}"
-    return CALIBRATION_CHARS / tokens
+    return len(text) / tokens
 
 
-def prefix_cache_sweep(probe: Probe, served: Served) -> Sweep:
+def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> Sweep:
     """The same long prompts twice: cold (a random first line: never seen), then warm (their blocks cached)."""
     per_token = chars_per_token(probe, served)
     if isinstance(per_token, str):
         return not_run("prefix-cache", per_token)
     nonce = secrets.token_hex(8)
-    body = int(PREFIX_PROMPT_TOKENS * per_token)
-    prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, PREFIX_PROMPTS, body) for i in range(PREFIX_PROMPTS)]
+    body = prefix_prompt_chars(probe, served, options, per_token, nonce)
+    if isinstance(body, str):
+        return not_run("prefix-cache", body)
+    prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(PREFIX_PROMPTS)]
     cold = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
     before = probe.samples()
     warm = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
@@ -107,18 +150,44 @@ def prefix_cache_sweep(probe: Probe, served: Served) -> Sweep:
     if failed:
         return not_run("prefix-cache", f"{len(failed)} requests failed: {failed[0]}")
     hits = cached_tokens(warm, before, after)
-    if hits is None:
-        return not_run(
-            "prefix-cache",
-            "the server reports no prefix-cache hits, so a cache that never hits would pass "
-            "(vLLM: --enable-prompt-tokens-details, or its /metrics)",
-        )
-    if hits == 0:
-        return not_run("prefix-cache", "the warm prompts found nothing in the prefix cache: caching is off")
-    sweep = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, cliff=False, hint=PREFIX_HINT)
     total = sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in warm.replies)
-    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,}"
+    if hits is None or hits < PREFIX_SHARE * total:
+        return not_run("prefix-cache", f"the warm prompts found {hits or 0:,} of their {total:,} tokens in the cache")
+    sweep = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, PREFIX_HINT)
+    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,} ({PREFIX_PROMPTS} prompts, sized to hit)"
     return sweep
+
+
+def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per_token: float, nonce: str):
+    """The sweep's prompts' length in characters: the shortest of PREFIX_START tokens, doubling, up to what the
+    server takes, whose resend finds PREFIX_SHARE of its tokens in the cache; or why there is none. Each try's
+    reply counts its tokens, and the next try is cut by that density (the last fills the server's room)."""
+    max_len = options.max_context or served.max_model_len or 2 * PREFIX_START
+    longest, found, chars_per_token = max_len - PREFIX_MAX_TOKENS, [], per_token * CONTEXT_FILL
+    lengths = [PREFIX_START * 2**i for i in range(16) if PREFIX_START * 2**i < longest] + [longest]
+    for length in lengths:
+        body = corpus_prompt(STARTS - 1, int(length * chars_per_token))
+        prompt = f"# {nonce} size {length}\n" + body
+        probe.complete(served.model, prompt, max_tokens=1)
+        before = probe.samples()
+        reply = probe.complete(served.model, prompt, max_tokens=1)
+        hits = cached_tokens(Window("", None, [reply], []), before, probe.samples())
+        if hits is None:
+            return (
+                "the server reports no prefix-cache hits, so a cache that never hits would pass "
+                "(vLLM: --enable-prompt-tokens-details, or its /metrics)"
+            )
+        tokens = (reply.get("usage") or {}).get("prompt_tokens") or 0
+        found.append(f"{hits} of {tokens}")
+        if tokens and hits >= PREFIX_SHARE * tokens:
+            return int(len(body) * PREFIX_FILL)
+        if tokens:
+            chars_per_token = len(body) / tokens * PREFIX_DENSITY_MARGIN
+    shown = ", ".join(found) or "none"
+    return (
+        f"no prompt up to {longest} tokens found {PREFIX_SHARE:.0%} of itself in the cache when sent again "
+        f"(cached tokens: {shown}): caching is off, or its blocks are longer than the prompts the server takes"
+    )
 
 
 def cached_tokens(warm: Window, before: list | None, after: list | None) -> int | None:
@@ -133,18 +202,63 @@ def cached_tokens(warm: Window, before: list | None, after: list | None) -> int 
 
 
 def concurrency_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
+    """The same prompts at each level (the battery, repeated to fill the highest level), sent in waves of it;
+    the server's running-requests gauge, read while they run, says whether each level was reached."""
     levels = sorted(set(options.concurrency))
-    windows = []
+    group = [prompts[i % len(prompts)] for i in range(max(len(prompts), levels[-1]))]
+    windows, peaks = [], []
     for level in levels:
-        group = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))]
-        window = probe.measure(served.model, group, concurrency=level)
+        with RunningPeak(probe) as peak:
+            window = probe.measure(served.model, group, concurrency=level)
         if window.errors:
             return not_run(
                 "concurrency", f"the server failed {len(window.errors)} requests at {level}: {window.errors[0]}"
             )
         windows.append(window)
+        peaks.append(peak.highest)
     labels = [f"{level} in flight" for level in levels]
-    return compare_groups("concurrency", windows, labels, None, cliff=False, hint=CONCURRENCY_HINT)
+    sweep = compare_groups("concurrency", windows, labels, None, CONCURRENCY_HINT)
+    for point_, highest in zip(sweep.points, peaks, strict=True):
+        point_["running_peak"] = highest
+    if None in peaks:
+        sweep.summary += "; the server has no running-requests gauge: the levels reached are not confirmed"
+        return sweep
+    short = [f"{level} (seen {peak})" for level, peak in zip(levels, peaks, strict=True) if peak < level]
+    seen = ", ".join(map(str, peaks))
+    sweep.summary += f"; running requests seen at most: {seen}" + (
+        f" (the gauge, read every {RunningPeak.POLL:g} s, did not confirm {', '.join(short)})" if short else ""
+    )
+    return sweep
+
+
+class RunningPeak:
+    """The most requests the server's running gauge showed while the block ran (read every POLL seconds), or
+    None where it has no such gauge."""
+
+    POLL = 0.05
+
+    def __init__(self, probe: Probe):
+        self.probe, self.highest = probe.sibling(probe.url), None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "RunningPeak":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _poll(self) -> None:
+        while True:
+            samples = self.probe.samples()
+            value = prometheus.counter(samples, RUNNING) if samples else None
+            if value is None:
+                return
+            self.highest = max(self.highest or 0, int(value))
+            if self.done.wait(self.POLL):
+                return
 
 
 def prompt_tokens(window: Window) -> int:
@@ -154,11 +268,20 @@ def prompt_tokens(window: Window) -> int:
 
 
 def compare_groups(
-    name: str, windows: list[Window], labels: list[str], baseline: float | None, cliff: bool, hint: str
+    name: str,
+    windows: list[Window],
+    labels: list[str],
+    baseline: float | None,
+    hint: str,
+    cliff: bool = False,
+    keep: float = 1.0,
+    sized: str = "",
 ) -> Sweep:
-    """Each later group against the first. Concurrency (the same prompts at each level: any real drop is a
-    fault) fails on a significant drop; context (other prompts at each length) fails on a cliff: a length whose
-    position-0 rate is, with confidence, under the broken-drafter limit, and warns on a significant halving."""
+    """Each later group against the first, by position-0 rate with the request as the unit (paired prompt by
+    prompt where each group counted per request: the sweeps send the same prompts, or prompts starting alike, in
+    the same order). A group fails when its rate is, with confidence, under `keep` x the first group's (1 for
+    the same prompts under another condition: any real fall is a fault) or, with `cliff`, under the
+    broken-drafter limit."""
     points = [point(label, window) for label, window in zip(labels, windows, strict=True)]
     stopped = [label for label, window in zip(labels, windows, strict=True) if not window.drafted]
     if windows[0].drafted and stopped:  # the first group drafted, a later one not once: speculation stopped there
@@ -167,20 +290,23 @@ def compare_groups(
         return sweep_of(name, message, windows[0].source, points, [finding])
     if any(window.position0 is None for window in windows):
         return not_run(name, f"the {windows[0].source} figures count no position-0 acceptances", points=points)
-    reference, limit = windows[0].position0, broken_position0_limit(baseline)
+    limit = broken_position0_limit(baseline)
     if cliff and position0_rate(windows[0]) < limit:
         return not_run(name, f"acceptance already collapsed at {labels[0]} (the battery's finding)", points=points)
     alpha = ALPHA / (len(windows) - 1)  # Bonferroni over the comparisons with the first group
+    units = [window.position0_units or [window.position0] for window in windows]
+    per_request = all(len(group) == len(window.replies) for group, window in zip(units, windows, strict=True))
+    paired = per_request and all(len(window.replies) == len(windows[0].replies) for window in windows)
     first = position0_rate(windows[0])
-    cliffs, drops = [], []
-    for index, window in enumerate(windows[1:], start=1):
-        p_value, rate = drop_p_value(reference, window.position0), position0_rate(window)
-        if cliff and rate_upper_bound(*window.position0, alpha) < limit:
+    cliffs, falls = [], []
+    for index, group in enumerate(units[1:], start=1):
+        p_value = fall_p_value(units[0], group, keep, paired)
+        if cliff and clustered_upper_bound(group, alpha) < limit:
             cliffs.append((index, p_value))
-        elif p_value < alpha and (not cliff or rate < first / 2):
-            drops.append((index, p_value))
+        elif p_value < alpha:
+            falls.append((index, p_value))
     findings = []
-    for found, severity in ((cliffs, "error"), (drops, "warning" if cliff else "error")):
+    for found in (cliffs, falls):
         if found:
             index, p_value = found[0]
             before, window = windows[index - 1], windows[index]
@@ -190,10 +316,14 @@ def compare_groups(
                 f"from {labels[index]}; p = {p_value:.1e})"
             )
             what = "falls off a cliff" if found is cliffs else f"falls with {name}"
-            data = {"from": labels[index], "p_value": p_value, "limit": limit, "alpha": alpha}
-            findings.append(Finding(f"probe.{name}", severity, f"acceptance {what}: {evidence}", hint, name, data))
+            if found is falls and keep < 1:
+                what += f" to under {keep:.0%} of its rate at {labels[0]}"
+            data = {"from": labels[index], "p_value": p_value, "limit": limit, "alpha": alpha, "keep": keep}
+            findings.append(Finding(f"probe.{name}", "error", f"acceptance {what}: {evidence}", hint, name, data))
     shown = ", ".join(f"{w.mean_length:.2f} at {label}" for w, label in zip(windows, labels, strict=True))
     floor = (
         f"; cliff limit the {limit:.0%} floor: the server returns no token ids" if cliff and baseline is None else ""
     )
-    return sweep_of(name, f"mean acceptance length {shown}{floor}", windows[0].source, points, findings)
+    unit = ("paired per-request" if paired else "per-request") if per_request else "per-wave"
+    summary = f"mean acceptance length {shown}{floor}; {unit} variance"
+    return sweep_of(name, summary + (f"; {sized}" if sized else ""), windows[0].source, points, findings)

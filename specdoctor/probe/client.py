@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -23,6 +23,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
 from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.pace import SAFETY, Pace
+from specdoctor.probe.stats import Unit
 from specdoctor.report import Finding
 from specdoctor.runtime.decode.metrics import SpecMetrics
 
@@ -38,12 +39,28 @@ class Served:
 
 @dataclass
 class Window:
-    """One group of requests: the replies, the errors, and the acceptance figures of exactly this group."""
+    """One group of requests: the replies, the errors, and the acceptance figures of exactly this group, in
+    total and per unit (a request, where the server counts per request or the group went one at a time; else a
+    wave of concurrent requests)."""
 
     source: str
     metrics: SpecMetrics | dict | None
     replies: list[dict]
     errors: list[str]
+    units: list[SpecMetrics] = field(default_factory=list)
+
+    def joined(self, other: "Window") -> "Window":
+        """This group and `other`, one group (the same source)."""
+        metrics = SpecMetrics()
+        for part in (self.metrics, other.metrics):
+            metrics.add(part)
+        units = self.units + other.units
+        return Window(self.source, metrics, self.replies + other.replies, self.errors + other.errors, units)
+
+    @property
+    def position0_units(self) -> list[Unit]:
+        """Each unit's (position-0 acceptances, drafts)."""
+        return [((unit.num_accepted_tokens_per_pos or [0])[0], unit.num_drafts) for unit in self.units]
 
     @property
     def position0(self) -> tuple[int, int] | None:
@@ -167,13 +184,27 @@ class Probe:
             return list(pool.map(lambda prompt: self.complete(model, prompt, **fields), prompts))
 
     def measure(self, model: str, prompts: list, concurrency: int = 1, **fields) -> Window:
-        """Send these prompts as one group and read the group's acceptance from the best source."""
-        before = self.scrape()
-        answers = self.complete_all(model, prompts, concurrency, **fields)
-        after = self.scrape()
+        """Send these prompts as one group, in waves of `concurrency`, and read the group's acceptance from the
+        best source. Where that is /metrics, the counters are read around each wave too: the units a variance
+        counts (one request each at concurrency 1)."""
+        before = last = self.scrape()
+        answers, units = [], []
+        for start in range(0, len(prompts), concurrency):
+            wave = self.complete_all(model, prompts[start : start + concurrency], concurrency, **fields)
+            answers += wave
+            if last is not None and not any("spec_decode" in answer for answer in wave):
+                now = self.scrape()
+                units.append(prometheus.difference(now, last) if now is not None else None)
+                last = now
+        after = last if last is not None else self.scrape()
         replies = [answer for answer in answers if "error" not in answer]
         source, metrics = acceptance(replies, before, after)
-        return Window(source, metrics, replies, [answer["error"] for answer in answers if "error" in answer])
+        if source == "per-request":
+            units = [per_request_metrics(reply["spec_decode"]) for reply in replies]
+        elif source != "metrics" or None in units:
+            units = []
+        errors = [answer["error"] for answer in answers if "error" in answer]
+        return Window(source, metrics, replies, errors, units)
 
 
 def first_choice(reply: dict) -> dict:
@@ -202,14 +233,7 @@ def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | d
     if replies and all(isinstance(spec, dict) for spec in per_request):
         total = SpecMetrics()
         for spec in per_request:
-            total.add(
-                SpecMetrics(
-                    spec["num_drafts"],
-                    spec["num_draft_tokens"],
-                    spec["num_accepted_tokens"],
-                    list(spec["num_accepted_tokens_per_pos"]),
-                )
-            )
+            total.add(per_request_metrics(spec))
         return "per-request", total
     verify_counts = [(reply.get("meta_info") or {}).get("spec_verify_ct") for reply in replies]
     if replies and all(isinstance(count, int) and count > 0 for count in verify_counts):
@@ -220,6 +244,16 @@ def acceptance(replies: list[dict], before, after) -> tuple[str, SpecMetrics | d
     if after.num_drafts < before.num_drafts:
         raise SpecdoctorError("the speculative counters went backwards: the server restarted during the probe")
     return "metrics", prometheus.difference(after, before)
+
+
+def per_request_metrics(spec: dict) -> SpecMetrics:
+    """A reply's own counters (`spec_decode`, specdoctor serve's)."""
+    return SpecMetrics(
+        spec["num_drafts"],
+        spec["num_draft_tokens"],
+        spec["num_accepted_tokens"],
+        list(spec["num_accepted_tokens_per_pos"]),
+    )
 
 
 # How each engine turns speculative decoding on, named by /v1/models' owned_by.

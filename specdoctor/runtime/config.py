@@ -193,6 +193,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mtp_keys: MtpKeyLayout = field(default_factory=MtpKeyLayout)
     rope_scaling: RopeScaling | None = None
+    # Positions from this one on rotate as their remainder by it (--fault drafter-rope-past=N, on a drafter only).
+    rope_wrap: int | None = None
     # Where the checkpoint keeps the target's `model.*` tensors (layers, norm; the embedding has its own candidate
     # keys): `model.`, or `model.language_model.` in a multimodal release whose config nests the text model.
     decoder_prefix: str = "model."

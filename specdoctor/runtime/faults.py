@@ -4,6 +4,8 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
 
   drafter-max-position=N   past N positions every row drafts dummy token 0, as vLLM does once the batch's
                            longest sequence plus k passes a draft's max_model_len (vllm#58080)
+  drafter-rope-past=N      the drafter's positions from N on rotate as their remainder by N: a drafter run past
+                           its trained range without the target's RoPE scaling (its acceptance falls, partly)
   stale-batch-rows         with more than one row, every row but the first feeds the drafter the input of the
                            batch's first decode step: a drafter buffer row not refreshed (tokenspeed#955)
   prefix-cache-drafter-kv  a prompt's blocks found in the prefix cache get the target's K/V back but not the
@@ -35,12 +37,14 @@ SWITCHES = (
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
-FAULT_NAMES = ("drafter-max-position=N", *SWITCHES)
+VALUED = ("drafter-max-position", "drafter-rope-past")  # the faults with a position: NAME=N
+FAULT_NAMES = (*(f"{name}=N" for name in VALUED), *SWITCHES)
 
 
 @dataclass(frozen=True)
 class Faults:
     drafter_max_position: int | None = None
+    drafter_rope_past: int | None = None
     stale_batch_rows: bool = False
     prefix_cache_drafter_kv: bool = False
     rejection_reuse_uniform: bool = False
@@ -56,8 +60,8 @@ class Faults:
             name, _, value = item.strip().partition("=")
             if not name:
                 continue
-            if name == "drafter-max-position" and value.isdigit() and int(value) > 0:
-                fields["drafter_max_position"] = int(value)
+            if name in VALUED and value.isdigit() and int(value) > 0:
+                fields[name.replace("-", "_")] = int(value)
             elif name in SWITCHES and not value:
                 fields[name.replace("-", "_")] = True
             else:

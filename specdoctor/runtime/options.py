@@ -219,7 +219,7 @@ class RuntimeOptions:
     fault: str | None = option(
         None,
         "--fault",
-        help="Reproduce engine faults, comma-separated: drafter-max-position=N, stale-batch-rows, "
+        help="Reproduce engine faults, comma-separated: drafter-max-position=N, drafter-rope-past=N, stale-batch-rows, "
         "prefix-cache-drafter-kv, rejection-reuse-uniform, sampling-params-ignored (docs/probe.md); "
         "per-rank-sharing, vocab-shard-shifted (docs/tensor-parallel.md).",
     )

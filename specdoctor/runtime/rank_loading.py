@@ -22,6 +22,7 @@ from specdoctor.runtime.drafter.registry import open_drafter
 from specdoctor.runtime.drafter.taps import tap_route
 from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.models.moe import MoE
+from specdoctor.runtime.models.rope import wrap_rope_past
 from specdoctor.runtime.moe_paths import choose_moe_paths
 from specdoctor.runtime.options import Device, QuantizedWeights, RuntimeOptions, StateRollback
 from specdoctor.runtime.partition import placements
@@ -85,6 +86,8 @@ def build_rank(
     drafter, provenance = None, Provenance()
     if placement.has_drafter:
         drafter, provenance = kind.build(stage, options, device)
+        if past := Faults.parse(options.fault).drafter_rope_past:
+            wrap_rope_past(drafter, past)
     modules = (stage, drafter) if drafter is not None else (stage,)
     moe_layers = [layer for module in modules for layer in module.modules() if isinstance(layer, MoE)]
     grouped_from = choose_moe_paths(moe_layers, device)

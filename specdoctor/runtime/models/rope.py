@@ -3,6 +3,7 @@ in the neox layout (halves) or DeepSeek's interleaved layout (pairs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -58,12 +59,22 @@ def yarn_frequencies(dim: int, theta: float, pos_freqs: torch.Tensor, yarn: Yarn
 
 @functools.lru_cache(maxsize=8)
 def rotary_table(
-    dim: int, theta: float, scaling: RopeScaling | None, length: int, device: torch.device, dtype: torch.dtype
+    dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    wrap: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position up to `length`, [length, dim] each: computed once, then indexed
-    (building them per forward costs more than the attention itself on a small model)."""
+    (building them per forward costs more than the attention itself on a small model). `wrap`: the config's
+    rope_wrap."""
     inv_freq, scale = inverse_frequencies(dim, theta, scaling)
-    freqs = torch.arange(length, device=device).float()[:, None] * inv_freq.to(device)
+    positions = torch.arange(length, device=device)
+    if wrap:
+        positions = positions % wrap
+    freqs = positions.float()[:, None] * inv_freq.to(device)
     angles = torch.cat((freqs, freqs), dim=-1)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
@@ -81,7 +92,21 @@ def rotary_cos_sin(
 def rotary_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's cos and sin for every position it can reach, [positions, rotary_dim] each."""
     length = config.max_position_embeddings + POSITION_SLACK
-    return rotary_table(config.rotary_dim, config.rope_theta, config.rope_scaling, length, device, dtype)
+    return rotary_table(
+        config.rotary_dim, config.rope_theta, config.rope_scaling, length, device, dtype, config.rope_wrap
+    )
+
+
+def wrap_rope_past(drafter: torch.nn.Module, past: int) -> None:
+    """--fault drafter-rope-past=N: the drafter's positions from N on rotate as their remainder by N, as a drafter
+    run past its trained range without the target's RoPE scaling sees positions it never learned: its attention
+    over its own earlier entries goes wrong with distance, a partial fall rather than dummy drafts."""
+    for module in drafter.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, ModelConfig):
+            module.config = dataclasses.replace(config, rope_wrap=past)
+        elif isinstance(getattr(config, "backbone", None), ModelConfig):  # a DSpark or EAGLE-3 config
+            module.config = dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, rope_wrap=past))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
