@@ -276,12 +276,13 @@ def compare_groups(
     cliff: bool = False,
     keep: float = 1.0,
     sized: str = "",
+    alpha: float = ALPHA,
 ) -> Sweep:
     """Each later group against the first, by position-0 rate with the request as the unit (paired prompt by
     prompt where each group counted per request: the sweeps send the same prompts, or prompts starting alike, in
     the same order). A group fails when its rate is, with confidence, under `keep` x the first group's (1 for
     the same prompts under another condition: any real fall is a fault) or, with `cliff`, under the
-    broken-drafter limit."""
+    broken-drafter limit. `alpha`: the family-wise rate (a benchmark's, to resolve it in fewer runs)."""
     points = [point(label, window) for label, window in zip(labels, windows, strict=True)]
     stopped = [label for label, window in zip(labels, windows, strict=True) if not window.drafted]
     if windows[0].drafted and stopped:  # the first group drafted, a later one not once: speculation stopped there
@@ -293,7 +294,7 @@ def compare_groups(
     limit = broken_position0_limit(baseline)
     if cliff and position0_rate(windows[0]) < limit:
         return not_run(name, f"acceptance already collapsed at {labels[0]} (the battery's finding)", points=points)
-    alpha = ALPHA / (len(windows) - 1)  # Bonferroni over the comparisons with the first group
+    alpha /= len(windows) - 1  # Bonferroni over the comparisons with the first group
     units = [window.position0_units or [window.position0] for window in windows]
     per_request = all(len(group) == len(window.replies) for group, window in zip(units, windows, strict=True))
     paired = per_request and all(len(window.replies) == len(windows[0].replies) for window in windows)

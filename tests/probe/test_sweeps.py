@@ -49,7 +49,7 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     assert list(sweeps) == SWEEPS and all(sweep["status"] == "passed" for sweep in sweeps.values())
     context = sweeps["context"]["points"]
     assert len(context) == 3 and context[-1]["metrics"]["num_drafts"] > 0
-    assert int(context[-1]["label"].split()[0].replace(",", "")) > 1200
+    assert int(context[-1]["label"].split()[0].replace(",", "")) > 1000
     assert [p["label"] for p in sweeps["concurrency"]["points"]] == ["1 in flight", "4 in flight", "16 in flight"]
     sampling = sweeps["sampling"]["points"]  # temperature 1 and the chat defaults, 600 tokens sampled at each
     settings = ["temperature 1", "temperature 0.6, top-p 0.95", "temperature 0.8, top-p 0.95"]
