@@ -20,14 +20,15 @@ CONTEXT_START = 128  # the first bucket's length; each next one doubles
 # The last bucket fills this share of what max_model_len leaves after max_tokens: a prompt's token count is estimated
 # from its characters, and the corpus' density varies from stretch to stretch (by a quarter, measured).
 CONTEXT_FILL = 0.8
-# A bucket fails when its position-0 rate is, with confidence, under this share of the first bucket's (healthy
-# drafters do decay with context: the demo's kept 55-60 % of it at 474 and 1,732 tokens), or under the
-# broken-drafter limit (a cliff).
-CONTEXT_KEEP = 0.5
+# A bucket fails when its position-0 rate is, with confidence, under this share of the first bucket's, or under the
+# broken-drafter limit (a cliff). Healthy drafters decay with context: the demo's fell to about half its first
+# bucket's rate at 1,500 tokens (its models were trained on 128-token sequences), and at a keep of 1/2 its runs
+# failed 14.7 % of the time at a nominal 5 % (benchmarks/probe_rates.py).
+CONTEXT_KEEP = 1 / 3
 # The buckets' prompts are as many as a fall to this share of the first bucket's rate needs to be found with
-# stats.POWER (a drafter's RoPE past its trained range: 73 % -> 13 %), from the first bucket's own spread; at least
-# MIN_SWEEP_PROMPTS (the spread's estimate), at most corpus.STARTS.
-CONTEXT_SIZED_FOR = 0.25
+# stats.POWER (a drafter's RoPE past its trained range: 73 % -> 13 %, a fall to 18 %), from the first bucket's own
+# spread; at least MIN_SWEEP_PROMPTS (the spread's estimate), at most corpus.STARTS.
+CONTEXT_SIZED_FOR = 0.2
 MIN_SWEEP_PROMPTS = 8
 # Corpus stretches whose token count gives the server's characters per token: CALIBRATION_CHARS from each of
 # CALIBRATION_STARTS of the prompts' starts, a few hundred tokens in all, which any max_model_len holds.

@@ -201,7 +201,8 @@ def test_a_slow_but_healthy_server_is_waited_for_at_its_own_pace(servers):
     defaults: it is the timeouts that are tested; the reference sweep is the one --all leaves out, saying so)."""
     healthy = servers["healthy"]
     with Throttled(healthy.rank_pids, stopped_s=0.1, running_s=0.1):
-        args = ("--all", "--context-lengths", "128,512", "--concurrency", "1,4", "--sampling", "300")
+        args = ("--all", "--context-lengths", "128,512", "--sweep-prompts", "8", "--concurrency", "1,4")
+        args += ("--sampling", "300")
         args += ("--sampling-settings", "1")  # one setting: it is the pace that is tested
         result = probe(healthy.url, *args, "--request-timeout", "1", "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
