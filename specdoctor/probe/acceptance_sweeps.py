@@ -250,6 +250,7 @@ class RunningPeak:
     def __exit__(self, *_) -> None:
         self.done.set()
         self.thread.join()
+        self.probe.client.close()
 
     def _poll(self) -> None:
         while True:
