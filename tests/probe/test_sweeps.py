@@ -40,7 +40,7 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     and the reference comparison against the same demo served with speculation off."""
     junit, html = tmp_path / "probe.xml", tmp_path / "probe.html"
     reference = servers["off"].url
-    args = ("--all", "--context-lengths", "128,512,1500", "--sweep-prompts", "12", "--sampling", "600")
+    args = ("--all", "--context-lengths", "128,512,1500", "--sweep-prompts", "8", "--sampling", "600")
     args += ("--reference-url", reference)
     args += ("--json", "-", "--junit-xml", str(junit))
     args += ("--html", str(html))
