@@ -5,11 +5,12 @@ healthy servers and each fault's power, with their binomial intervals.
 
 The servers (`specdoctor serve`, PP 1, fp32, eager) answer a pool of prompts once, each request's own counters
 kept: every corpus start at every context length, 64 prompts cold then warm (as long as the prefix-cache sweep
-finds it needs), the battery cycled to 16 at each concurrency level four times over. A run draws its prompts
+finds it needs), 64 corpus prompts at each concurrency level. A run draws its prompts
 from the pool at random, as a probe with other prompts would send, and is decided by the sweep's own code
 (`compare_groups`, sized as `context_sweep` sizes itself) at `--alpha`. Runs differ in their prompts, not in a
 server's numerics: a deterministic server gives the same counts for the same prompt, which is why the pools
-hold 64 prompts (the corpus's starts) or 64 requests (concurrency).
+hold 64 prompts (the corpus's starts). The intervals are over those draws: they say how well 1,000 runs pin the
+rule's rate on these pools, not how a rate varies between servers.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from rich.console import Console
 from rich.progress import track
 
 from benchmarks.common import add_json_option, machine, numeric_table, write_json
-from specdoctor.battery import load_battery, prompt_of
 from specdoctor.probe.acceptance_sweeps import (
+    CONCURRENCY_MIN_PROMPTS,
+    CONCURRENCY_PROMPT_CHARS,
     CONTEXT_KEEP,
     CONTEXT_SIZED_FOR,
     MIN_SWEEP_PROMPTS,
@@ -82,11 +84,9 @@ def pool(case: Case) -> list[list]:
             body = prefix_prompt_chars(probe, served, SweepOptions(), chars_per_token(probe, served), nonce)
             prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(STARTS)]
             windows = [probe.measure(model, prompts, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
-        else:
-            battery = [prompt_of(entry) for entry in load_battery(None)]
-            group = [battery[i % len(battery)] for i in range(CONCURRENCY[-1])]
-            windows = [[probe.measure(model, group, concurrency=level) for _ in range(4)] for level in CONCURRENCY]
-            windows = [joined(parts) for parts in windows]
+        else:  # the sweep's own prompts, 64 of them, at each level
+            group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(STARTS)]
+            windows = [probe.measure(model, group, concurrency=level) for level in CONCURRENCY]
     finally:
         server.stop()
     return [list(zip(window.replies, window.units, strict=True)) for window in windows]
@@ -122,7 +122,7 @@ def one_run(case: Case, groups: list[list], rng: random.Random, alpha: float) ->
         labels = [f"{length} tokens" for length in CONTEXT_LENGTHS]
         sweep = compare_groups("context", windows, labels, None, "", cliff=True, keep=CONTEXT_KEEP, alpha=alpha)
     else:
-        count = PREFIX_PROMPTS if case.sweep == "prefix-cache" else CONCURRENCY[-1]
+        count = PREFIX_PROMPTS if case.sweep == "prefix-cache" else max(CONCURRENCY[-1], CONCURRENCY_MIN_PROMPTS)
         chosen = rng.sample(range(size), count)
         windows = [window_of([group[i] for i in chosen]) for group in groups]
         sweep = compare_groups(case.sweep, windows, [str(n) for n in range(len(groups))], None, "", alpha=alpha)

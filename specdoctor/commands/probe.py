@@ -12,6 +12,7 @@ from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.commands.options import BatteryOption, HtmlOption, JsonReportOption, JunitOption, MinLengthOption
 from specdoctor.commands.output import emit_report
 from specdoctor.errors import SpecdoctorError
+from specdoctor.probe.corpus import STARTS
 from specdoctor.probe.options import DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
 from specdoctor.probe.pace import SAFETY
 from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, parse_settings
@@ -43,7 +44,9 @@ PrefixCacheFlag = Annotated[
 ]
 SweepPromptsOption = Annotated[
     int | None,
-    typer.Option(min=2, help="Prompts per context-length bucket (default: as many as the sweep's power needs)."),
+    typer.Option(
+        min=2, max=STARTS, help="Prompts per context-length bucket (default: as many as the sweep's power needs)."
+    ),
 ]
 ConcurrencyOption = Annotated[
     str | None, typer.Option(help="Acceptance at each number of requests in flight, e.g. 1,4,16.")

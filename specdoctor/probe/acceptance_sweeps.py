@@ -63,6 +63,8 @@ CONCURRENCY_HINT = (
     "or CUDA graphs captured for another batch (vLLM PRs #54374, #52816): rerun with --enforce-eager (vLLM) or "
     "--disable-cuda-graph (SGLang) to see whether the graphs are at fault"
 )
+CONCURRENCY_PROMPT_CHARS = 400  # about 100 tokens each
+CONCURRENCY_MIN_PROMPTS = 16  # at every level: about 200 drafts at k 3 and 32 tokens
 RUNNING = "vllm:num_requests_running"  # the running batch's size, a gauge (vLLM's, specdoctor serve's)
 
 
@@ -99,7 +101,7 @@ def context_sweep(probe: Probe, served: Served, options: SweepOptions, baseline:
         return probe.measure(served.model, [corpus_prompt(i, int(length * per_token)) for i in indices])
 
     alpha = ALPHA / (len(lengths) - 1)
-    count, windows = options.sweep_prompts or MIN_SWEEP_PROMPTS, []
+    count, needed, windows = options.sweep_prompts or MIN_SWEEP_PROMPTS, 0, []
     for length in lengths:
         window = bucket(length, range(count))
         if not windows and not options.sweep_prompts and not window.errors:  # the first bucket sizes them all
@@ -115,7 +117,7 @@ def context_sweep(probe: Probe, served: Served, options: SweepOptions, baseline:
         " (--sweep-prompts)"
         if options.sweep_prompts
         else f" (power {POWER:g} to find a fall to {CONTEXT_SIZED_FOR:.0%} of the first bucket's rate"
-        + (f", but capped at the corpus' {STARTS} starts)" if count == STARTS else ")")
+        + (f", but capped at the corpus' {STARTS} starts)" if needed > STARTS else ")")
     )
     return compare_groups(
         "context", windows, labels, baseline, CONTEXT_HINT, cliff=True, keep=CONTEXT_KEEP, sized=sized
@@ -202,11 +204,12 @@ def cached_tokens(warm: Window, before: list | None, after: list | None) -> int 
     return None if None in hits else int(hits[1] - hits[0])
 
 
-def concurrency_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
-    """The same prompts at each level (the battery, repeated to fill the highest level), sent in waves of it;
-    the server's running-requests gauge, read while they run, says whether each level was reached."""
+def concurrency_sweep(probe: Probe, served: Served, options: SweepOptions) -> Sweep:
+    """The same prompts at each level (as many corpus prompts as the highest level, every one its own text: a
+    prompt sent twice would count twice), sent in waves of it; the server's running-requests gauge, read while
+    they run, says whether each level was reached."""
     levels = sorted(set(options.concurrency))
-    group = [prompts[i % len(prompts)] for i in range(max(len(prompts), levels[-1]))]
+    group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(max(levels[-1], CONCURRENCY_MIN_PROMPTS))]
     windows, peaks = [], []
     for level in levels:
         with RunningPeak(probe) as peak:
@@ -328,5 +331,7 @@ def compare_groups(
         f"; cliff limit the {limit:.0%} floor: the server returns no token ids" if cliff and baseline is None else ""
     )
     unit = ("paired per-request" if paired else "per-request") if per_request else "per-wave"
+    if any(len(group) < 2 for group in units):
+        unit = "binomial (a group was a single wave)"
     summary = f"mean acceptance length {shown}{floor}; {unit} variance"
     return sweep_of(name, summary + (f"; {sized}" if sized else ""), windows[0].source, points, findings)

@@ -53,6 +53,9 @@ class Window:
         """This group and `other`, one group (the same source)."""
         metrics = SpecMetrics()
         for part in (self.metrics, other.metrics):
+            if not isinstance(part, SpecMetrics):  # SGLang's mean length, or no figures: none for the whole
+                metrics = None
+                break
             metrics.add(part)
         units = self.units + other.units
         return Window(self.source, metrics, self.replies + other.replies, self.errors + other.errors, units)
@@ -192,11 +195,11 @@ class Probe:
         for start in range(0, len(prompts), concurrency):
             wave = self.complete_all(model, prompts[start : start + concurrency], concurrency, **fields)
             answers += wave
-            if last is not None and not any("spec_decode" in answer for answer in wave):
+            if last is not None and not all("spec_decode" in answer for answer in wave):
                 now = self.scrape()
                 units.append(prometheus.difference(now, last) if now is not None else None)
                 last = now
-        after = last if last is not None else self.scrape()
+        after = self.scrape() if last is before else last
         replies = [answer for answer in answers if "error" not in answer]
         source, metrics = acceptance(replies, before, after)
         if source == "per-request":

@@ -47,7 +47,7 @@ def run_sweeps(probe: Probe, served: Served, battery: list[dict], prompts: list,
     runs = {
         "context": lambda: context_sweep(probe, served, options, baseline),
         "prefix-cache": lambda: prefix_cache_sweep(probe, served, options),
-        "concurrency": lambda: concurrency_sweep(probe, served, options, prompts),
+        "concurrency": lambda: concurrency_sweep(probe, served, options),
         "sampling": lambda: sampling_sweep(probe, served, options, prompts),
         "reference": lambda: reference_sweep(probe, served, options, battery, prompts),
     }

@@ -20,6 +20,7 @@ ALPHA = 0.001
 
 Unit = tuple[int, int]  # one request's (or one wave of concurrent requests') position-0 acceptances and drafts
 POWER = 0.9  # the power a sweep's size is chosen for
+MAX_PROMPTS = 1000  # prompts_for_power's answer past this: more than any sweep sends
 
 
 def student_t_sf(t: float, df: float) -> float:
@@ -58,13 +59,15 @@ def incomplete_beta(a: float, b: float, x: float) -> float:
 
 def rate_and_variance(units: list[Unit]) -> tuple[float, float]:
     """The pooled rate (all acceptances over all drafts) and its variance with the request as the unit: the
-    linearised ratio estimator's, m/(m-1) sum((x_i - p n_i) / N)^2, never under the binomial p(1-p)/N (a single
-    request, or every request at a rate of 0 or 1, says nothing of the spread)."""
+    linearised ratio estimator's, m/(m-1) sum((x_i - p n_i) / N)^2, never under the binomial p(1-p)/N, p taken
+    half an acceptance in from 0 and 1 (a single request, or every request at a rate of 0 or 1, says nothing of
+    the spread)."""
     accepted, drafts = sum(x for x, _ in units), sum(n for _, n in units)
     if not drafts:
         return 0.0, 0.0
     rate, m = accepted / drafts, len(units)
-    binomial = rate * (1 - rate) / drafts
+    centred = (accepted + 0.5) / (drafts + 1)  # a rate of 0 or 1 is no proof of zero variance
+    binomial = centred * (1 - centred) / drafts
     if m < 2:
         return rate, binomial
     clustered = m / (m - 1) * sum(((x - rate * n) / drafts) ** 2 for x, n in units)
@@ -79,7 +82,7 @@ def fall_p_value(reference: list[Unit], group: list[Unit], keep: float = 1.0, pa
     drafts_r, drafts_g = sum(n for _, n in reference), sum(n for _, n in group)
     if not drafts_r or not drafts_g:
         return 1.0
-    fall = keep * rate_r - rate_g
+    fall, variance = keep * rate_r - rate_g, 0.0
     if paired and len(reference) == len(group) > 1:
         m = len(group)
         pairs = [
@@ -87,7 +90,7 @@ def fall_p_value(reference: list[Unit], group: list[Unit], keep: float = 1.0, pa
             for (xr, nr), (xg, ng) in zip(reference, group, strict=True)
         ]
         variance, df = m / (m - 1) * sum(u * u for u in pairs), m - 1
-    else:
+    if variance <= 0:  # unpaired, or pairs that vary not at all (they say nothing of the spread)
         parts = [(keep * keep * var_r, len(reference)), (var_g, len(group))]
         variance = sum(v for v, _ in parts)
         welch = sum(v * v / (m - 1) for v, m in parts if m > 1 and v > 0)
@@ -118,9 +121,24 @@ def prompts_for_power(first: list[Unit], ratio: float, keep: float, alpha: float
     gap = (keep - ratio) * rate
     if gap <= 0 or variance <= 0:
         return len(first)
-    per_prompt = variance * len(first)  # one prompt's share of the spread
-    z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(POWER)
-    return math.ceil(z * z * per_prompt * (keep * keep + ratio) / (gap * gap))
+    spread = variance * len(first) * (keep * keep + ratio)  # one prompt's share of the difference's variance
+    # The test is Student's t on m - 1 degrees of freedom: m grows until its quantiles fit.
+    for m in range(2, MAX_PROMPTS + 1):
+        t = student_t_quantile(1 - alpha, m - 1) + student_t_quantile(POWER, m - 1)
+        if t * t * spread / (gap * gap) <= m:
+            return m
+    return MAX_PROMPTS + 1
+
+
+def student_t_quantile(q: float, df: float) -> float:
+    """The t with P(T <= t) = q, by bisection on student_t_sf (q > 0.5)."""
+    low, high = 0.0, 1.0
+    while student_t_sf(high, df) > 1 - q:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if student_t_sf(middle, df) > 1 - q else (low, middle)
+    return high
 
 
 def drop_p_value(reference: tuple[int, int], group: tuple[int, int]) -> float:
