@@ -53,7 +53,8 @@ PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found 
 # third restored).
 PREFIX_SHARE = 1 / 3
 PREFIX_DENSITY_MARGIN = 0.95  # a try cut by the last one's density aims this far under its length
-# The sweep's prompts are this share of the length found: other stretches of the corpus are denser (by a third).
+# The sweep's prompts are this share of the length found where that is the most the server takes: other
+# stretches of the corpus are denser (by a third).
 PREFIX_FILL = 0.7
 PREFIX_START = 128
 PREFIX_PROMPTS = 48  # and PREFIX_MAX_TOKENS each: about 800 drafts a group at a mean length of 2
@@ -166,10 +167,11 @@ def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per
     server takes, whose resend finds PREFIX_SHARE of its tokens in the cache; or why there is none. Each try's
     reply counts its tokens, and the next try is cut by that density (the last fills the server's room)."""
     max_len = options.max_context or served.max_model_len or 2 * PREFIX_START
-    longest, found, chars_per_token = max_len - PREFIX_MAX_TOKENS, [], per_token * CONTEXT_FILL
-    lengths = [PREFIX_START * 2**i for i in range(16) if PREFIX_START * 2**i < longest] + [longest]
+    longest, found, chars_per_token = max_len - PREFIX_MAX_TOKENS, [], per_token
+    lengths = [PREFIX_START * 2**i for i in range(16) if PREFIX_START * 2**i < longest * CONTEXT_FILL] + [longest]
     for length in lengths:
-        body = corpus_prompt(STARTS - 1, int(length * chars_per_token))
+        last = length == longest  # the most the server takes: leave room for the corpus' density
+        body = corpus_prompt(STARTS - 1, int(length * chars_per_token * (CONTEXT_FILL if last else 1)))
         prompt = f"# {nonce} size {length}\n" + body
         probe.complete(served.model, prompt, max_tokens=1)
         before = probe.samples()
@@ -183,7 +185,7 @@ def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per
         tokens = (reply.get("usage") or {}).get("prompt_tokens") or 0
         found.append(f"{hits} of {tokens}")
         if tokens and hits >= PREFIX_SHARE * tokens:
-            return int(len(body) * PREFIX_FILL)
+            return int(len(body) * (PREFIX_FILL if last else 1))
         if tokens:
             chars_per_token = len(body) / tokens * PREFIX_DENSITY_MARGIN
     shown = ", ".join(found) or "none"
