@@ -50,8 +50,11 @@ PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found 
 # length is the shortest of 128, 256, ... tokens (then the most the server takes) at which a prompt sent twice finds
 # it (an engine caches whole blocks, and with a drafter vLLM recomputes the last one it matched: its CPU build's
 # 128-token blocks then need prompts of 257 tokens or more, and its 512-token test deployment leaves room for a
-# third restored).
-PREFIX_SHARE = 1 / 3
+# quarter restored, whatever the density of each prompt's stretch of the corpus).
+PREFIX_SHARE = 1 / 4
+# The length is chosen where a resend finds this share of itself: past a block's edge by a margin, so that the
+# sweep's prompts, whose densities differ, mostly reach it too.
+PREFIX_FIND_SHARE = 1 / 2
 PREFIX_DENSITY_MARGIN = 0.95  # a try cut by the last one's density aims this far under its length
 # The sweep's prompts are this share of the length found where that is the most the server takes: other
 # stretches of the corpus are denser (by a third).
@@ -164,14 +167,15 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
 
 def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per_token: float, nonce: str):
     """The sweep's prompts' length in characters: the shortest of PREFIX_START tokens, doubling, up to what the
-    server takes, whose resend finds PREFIX_SHARE of its tokens in the cache; or why there is none. Each try's
+    server takes, whose resend finds PREFIX_FIND_SHARE of its tokens in the cache; or why there is none. Each try's
     reply counts its tokens, and the next try is cut by that density (the last fills the server's room)."""
     max_len = options.max_context or served.max_model_len or 2 * PREFIX_START
     longest, found, chars_per_token = max_len - PREFIX_MAX_TOKENS, [], per_token
     lengths = [PREFIX_START * 2**i for i in range(16) if PREFIX_START * 2**i < longest * CONTEXT_FILL] + [longest]
     for length in lengths:
-        last = length == longest  # the most the server takes: leave room for the corpus' density
-        body = corpus_prompt(STARTS - 1, int(length * chars_per_token * (CONTEXT_FILL if last else 1)))
+        last = length == longest  # the most the server takes: room for the density, unless a try measured it
+        fill = CONTEXT_FILL if last and not found else 1
+        body = corpus_prompt(STARTS - 1, int(length * chars_per_token * fill))
         prompt = f"# {nonce} size {length}\n" + body
         probe.complete(served.model, prompt, max_tokens=1)
         before = probe.samples()
@@ -184,13 +188,13 @@ def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per
             )
         tokens = (reply.get("usage") or {}).get("prompt_tokens") or 0
         found.append(f"{hits} of {tokens}")
-        if tokens and hits >= PREFIX_SHARE * tokens:
+        if tokens and hits >= PREFIX_FIND_SHARE * tokens:
             return int(len(body) * (PREFIX_FILL if last else 1))
         if tokens:
             chars_per_token = len(body) / tokens * PREFIX_DENSITY_MARGIN
     shown = ", ".join(found) or "none"
     return (
-        f"no prompt up to {longest} tokens found {PREFIX_SHARE:.0%} of itself in the cache when sent again "
+        f"no prompt up to {longest} tokens found {PREFIX_FIND_SHARE:.0%} of itself in the cache when sent again "
         f"(cached tokens: {shown}): caching is off, or its blocks are longer than the prompts the server takes"
     )
 
