@@ -86,6 +86,14 @@ def sweep_section(sweep: Sweep) -> str:
             f"<tr><td>{escape(p['label'])}</td><td>token {p['divergence']['index']}</td></tr>" for p in differing
         )
         parts.append(f"<table><tr><th>prompt</th><th>first difference</th></tr>{rows}</table>")
+    checks = [p for p in sweep.points if "verdict" in p]
+    if checks:
+        rows = "".join(
+            f"<tr><td>{escape(p['label'])}</td><td>{p['requests']}</td><td>{escape(p['verdict'])}</td>"
+            f"<td>{escape(p['evidence'])}</td></tr>"
+            for p in checks
+        )
+        parts.append(f"<table><tr><th>check</th><th>requests</th><th>verdict</th><th>evidence</th></tr>{rows}</table>")
     return "\n".join(parts)
 
 

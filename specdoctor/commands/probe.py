@@ -67,13 +67,21 @@ SamplingSettingsOption = Annotated[
 ReferenceUrlOption = Annotated[
     str | None, typer.Option(help="The same model served with speculation off: greedy output must be identical.")
 ]
+ApiFlag = Annotated[
+    bool,
+    typer.Option(
+        "--api",
+        help="The request API under speculation: stop strings and ids, max_tokens mid-run, log-probabilities, "
+        "logit bias, penalties, seeds; against --reference-url where given.",
+    ),
+]
 AllFlag = Annotated[
     bool,
     typer.Option(
         "--all",
         help=f"Every sweep: context, prefix cache, concurrency {','.join(map(str, DEFAULT_CONCURRENCY))}, sampling "
-        f"{DEFAULT_SAMPLING_TOKENS} tokens at each setting, and the reference comparison where --reference-url is "
-        "given.",
+        f"{DEFAULT_SAMPLING_TOKENS} tokens at each setting, the request API, and the reference comparison where "
+        "--reference-url is given.",
     ),
 ]
 
@@ -117,6 +125,7 @@ def probe(
     sampling: SamplingOption = 0,
     sampling_settings: SamplingSettingsOption = DEFAULT_SETTINGS,
     reference_url: ReferenceUrlOption = None,
+    api: ApiFlag = False,
     run_all: AllFlag = False,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
@@ -135,6 +144,7 @@ def probe(
         sampling_tokens=sampling or (DEFAULT_SAMPLING_TOKENS if run_all else 0),
         sampling_settings=parse_settings(sampling_settings),
         reference_url=reference_url,
+        api=api or run_all,
         every_sweep=run_all,
     )
     options = ProbeOptions(
@@ -158,8 +168,14 @@ def render_probe(report: ProbeReport, console: Console) -> None:
 
 def sweep_table(sweep: Sweep) -> Table:
     """A sweep's points, with a bar per point: mean acceptance length for the acceptance sweeps, observed
-    against expected counts per rank bin for the sampling sweep."""
+    against expected counts per rank bin for the sampling sweep; the API sweep's checks as rows."""
     table = Table(title=f"{sweep.name} sweep · {sweep.status} · {sweep.summary}", title_justify="left")
+    if sweep.points and all("verdict" in point for point in sweep.points):  # the API sweep's checks
+        for column in ("check", "requests", "verdict", "evidence"):
+            table.add_column(column)
+        for point in sweep.points:
+            table.add_row(point["label"], str(point["requests"]), point["verdict"], point["evidence"])
+        return table
     table.add_column("point")
     table.add_column("figures")
     table.add_column("", no_wrap=True)

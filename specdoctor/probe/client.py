@@ -170,7 +170,7 @@ class Probe:
             with self.lock:
                 self.in_flight -= 1
         if response.status_code != 200:
-            return {"error": f"POST /v1/completions answered {response.status_code}: {response.text[:200]}"}
+            return {"error": f"POST /v1/completions answered {response.status_code}: {error_message(response)}"}
         try:
             reply = response.json()
         except ValueError:
@@ -208,6 +208,15 @@ class Probe:
             units = []
         errors = [answer["error"] for answer in answers if "error" in answer]
         return Window(source, metrics, replies, errors, units)
+
+
+def error_message(response: httpx.Response) -> str:
+    """An error reply's own message where it is OpenAI-style (vLLM's, SGLang's, ours), else its text's start."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    return message[:300] if isinstance(message, str) else response.text[:200]
 
 
 def first_choice(reply: dict) -> dict:

@@ -23,6 +23,7 @@ class SweepOptions:
     sampling_tokens: int = 0  # 0 : no sampling sweep; else the tokens sampled at each setting
     sampling_settings: tuple[SamplingSetting, ...] = parse_settings(DEFAULT_SETTINGS)
     reference_url: str | None = None  # the same model served with speculation off
+    api: bool = False  # the request API under speculation (probe/api_sweep.py)
     every_sweep: bool = False  # --all: a sweep it cannot run for want of a flag is said, not left out silently
 
     @property
@@ -34,6 +35,7 @@ class SweepOptions:
             "concurrency": bool(self.concurrency),
             "sampling": bool(self.sampling_tokens),
             "reference": bool(self.reference_url),
+            "api": self.api,
         }
         return [name for name, on in flags.items() if on]
 

@@ -9,6 +9,7 @@ from specdoctor.battery import load_battery, prompt_of
 from specdoctor.checks.acceptance import bigram_baseline
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.acceptance_sweeps import concurrency_sweep, context_sweep, prefix_cache_sweep
+from specdoctor.probe.api_sweep import api_sweep
 from specdoctor.probe.client import Probe, Served, error_findings, first_choice, probe_findings
 from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.output_sweeps import reference_sweep, sampling_sweep
@@ -50,6 +51,7 @@ def run_sweeps(probe: Probe, served: Served, battery: list[dict], prompts: list,
         "concurrency": lambda: concurrency_sweep(probe, served, options),
         "sampling": lambda: sampling_sweep(probe, served, options, prompts),
         "reference": lambda: reference_sweep(probe, served, options, battery, prompts),
+        "api": lambda: api_sweep(probe, served, options, prompts),
     }
     sweeps, spent = [], None
     for name in options.asked:

@@ -16,6 +16,10 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
   sampling-params-ignored  verification computes the target's distribution at temperature 1, whatever temperature,
                            top-p or top-k the request asked (vLLM v0, vllm#9834, fixed by #10198): sampled output
                            at another setting is temperature-1 text, and its acceptance falls
+  stop-in-draft-missed     a stop token id (the end-of-sequence one included) accepted inside a step's run is not
+                           seen: only the run's last token is checked against them (sglang#23802's class)
+  eos-leak-past-max-tokens the step whose run crosses max_tokens appends the whole run: tokens past the limit,
+                           and past a stop token in it, leak into the output (sglang#33758)
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
                            the target's embedding: TP rank 0 does, the others leave their shard as allocated
                            (vllm#50158)
@@ -34,6 +38,8 @@ SWITCHES = (
     "prefix-cache-drafter-kv",
     "rejection-reuse-uniform",
     "sampling-params-ignored",
+    "stop-in-draft-missed",
+    "eos-leak-past-max-tokens",
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
@@ -49,6 +55,8 @@ class Faults:
     prefix_cache_drafter_kv: bool = False
     rejection_reuse_uniform: bool = False
     sampling_params_ignored: bool = False
+    stop_in_draft_missed: bool = False
+    eos_leak_past_max_tokens: bool = False
     per_rank_sharing: bool = False
     vocab_shard_shifted: bool = False
 

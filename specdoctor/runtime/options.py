@@ -220,7 +220,8 @@ class RuntimeOptions:
         None,
         "--fault",
         help="Reproduce engine faults, comma-separated: drafter-max-position=N, drafter-rope-past=N, stale-batch-rows, "
-        "prefix-cache-drafter-kv, rejection-reuse-uniform, sampling-params-ignored (docs/probe.md); "
+        "prefix-cache-drafter-kv, rejection-reuse-uniform, sampling-params-ignored, stop-in-draft-missed, "
+        "eos-leak-past-max-tokens (docs/probe.md); "
         "per-rank-sharing, vocab-shard-shifted (docs/tensor-parallel.md).",
     )
     device: Device = option(Device.CPU, "--device", help="cpu (gloo) or cuda (NCCL).")

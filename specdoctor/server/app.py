@@ -157,6 +157,7 @@ def make_jobs(
             404,
             "not_found_error",
         )
+    body.refuse_unimplemented()
     if not state.engine.alive:
         raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)

@@ -16,6 +16,45 @@ MAX_CHOICES = 16  # n per request
 MAX_LOGPROBS = 20  # top alternatives per token, vLLM's default --max-logprobs
 
 
+# OpenAI's and vLLM's request fields that change the output and that this server does not implement, each with the
+# values that change nothing: asked for with any other value, the request is refused with a 400 naming the field
+# (an engine that ignored it would answer with output that silently ignores it). Other unknown fields stay ignored,
+# as OpenAI's API ignores them.
+UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "echo": (False,),
+    "suffix": ("",),
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (),
+    "logits_processors": ([],),
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "prediction": (),
+    "reasoning_effort": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+}
+
 StopString = Annotated[StrictStr, Field(min_length=1)]  # vLLM refuses an empty one: it would stop at once
 
 
@@ -24,7 +63,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI's API does
+    model_config = ConfigDict(extra="allow")  # kept to be checked against UNIMPLEMENTED_FIELDS, then ignored
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -41,6 +80,18 @@ class SamplingFields(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    def refuse_unimplemented(self) -> None:
+        """A 400 naming the first field this server does not implement, sent with a value that changes the output."""
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNIMPLEMENTED_FIELDS.get(name)
+            if neutral is not None and value is not None and value not in neutral:
+                values = " or ".join(repr(v) for v in neutral) or "null"
+                raise RequestError(
+                    f"{name}={value!r} is not implemented by specdoctor serve and would change the output: "
+                    f"leave it out (or send {values})",
+                    name,
+                )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -267,7 +267,7 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     prompts under 257 tokens never hit. Sampling fails, and that is vLLM's (docs/probe.md §What vLLM 0.32
     showed): at temperature 1 it emits tokens its own reported distribution gives log-probabilities down to
     about -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes); at 0.6 and 0.8 with
-    top-p 0.95, tokens outside that distribution's nucleus."""
+    top-p 0.95, tokens outside that distribution's nucleus. The API sweep fails on seeds, vLLM's too."""
     reference = SpecdoctorServer("--num-speculative-tokens", "0")
     try:
         result = probe(vllm_demo.url, "--all", "--sampling", "600", "--reference-url", reference.url)
@@ -282,15 +282,36 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "concurrency": "passed",
         "sampling": "failed",
         "reference": "passed",
-    }, {name: sweep["summary"] for name, sweep in sweeps.items()}
+        "api": "failed",
+    }, json.dumps({name: sweep["summary"] for name, sweep in sweeps.items()} | {"api": sweeps["api"]["points"]})
     assert len(sweeps["context"]["points"]) == 3  # 128, 256 and 432 tokens under vLLM's max_model_len of 512
     cached, total = re.search(r"cached: ([\d,]+) of ([\d,]+)", sweeps["prefix-cache"]["summary"]).groups()
-    assert int(cached.replace(",", "")) >= int(total.replace(",", "")) / 3  # the share the sweep needs
+    assert int(cached.replace(",", "")) >= int(total.replace(",", "")) / 4  # the share the sweep needs
     errors = [f for f in report["findings"] if f["severity"] == "error"]
     # temperature 1 fails every run (p near 0); at the chat defaults vLLM also emits tokens outside the top-p
     # nucleus of its own reported distribution (6 of 288 at 0.6, 1 of 141 at 0.8 in one run), found most runs
-    assert {f["check"] for f in errors} == {"probe.sampling"} and errors[0]["data"]["setting"] == "temperature 1"
+    assert {f["check"] for f in errors} == {"probe.sampling", "probe.api"} and errors[0]["data"][
+        "setting"
+    ] == "temperature 1"
     assert errors[0]["data"]["p_value"] < 1e-6
+    # The request API: vLLM keeps max_tokens, stops and log-probabilities under MTP; it refuses logit_bias with
+    # speculation (400); a seeded request at temperature 0.8 is not reproducible with MTP (it is without: measured
+    # at concurrency 1 and 6, n 1 and 2; docs/probe.md), and penalties go unverified (the reference refuses them).
+    api = {point["label"]: point for point in sweeps["api"]["points"]}
+    verdicts = {name: point["verdict"] for name, point in api.items()}
+    assert verdicts == {
+        "max_tokens mid-run": "passed",
+        "stop strings": "passed",
+        "stop token ids": "passed",
+        "logprobs": "passed",
+        "logit_bias": "not run",
+        "presence_penalty 1.5": "not run",
+        "frequency_penalty 1": "not run",
+        "repetition_penalty 1.5": "not run",
+        "seed": "failed",
+    }
+    assert "not yet supported with speculative decoding" in api["logit_bias"]["evidence"]
+    assert [f["message"].split(":")[0] for f in errors if f["check"] == "probe.api"] == ["seed"]
     # vLLM's own running-requests gauge, sampled while each level ran
     assert all(isinstance(p["running_peak"], int) for p in sweeps["concurrency"]["points"])
     assert "running requests seen at most" in sweeps["concurrency"]["summary"]

@@ -23,7 +23,7 @@ from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port, probe
 from tests.probe.conftest import DUMMY_PAST
 
-SWEEPS = ["context", "prefix-cache", "concurrency", "sampling", "reference"]
+SWEEPS = ["context", "prefix-cache", "concurrency", "sampling", "reference", "api"]
 
 
 def sweeps_of(result: subprocess.CompletedProcess) -> dict[str, dict]:

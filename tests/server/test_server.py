@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
-from specdoctor.server.protocol import PLAIN_CHAT_TEMPLATE, ChatMessage, render_chat
+from specdoctor.server.protocol import PLAIN_CHAT_TEMPLATE, UNIMPLEMENTED_FIELDS, ChatMessage, render_chat
 from tests.commands.test_cli import rename_key
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import free_port
@@ -287,6 +287,31 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, body, st
         assert error["param"] == param
     assert httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []}).status_code == 400
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("completions", "presence_penalty", 0.5),
+        ("completions", "repetition_penalty", 1.2),
+        ("completions", "logit_bias", {"5": 100}),
+        ("completions", "min_tokens", 8),
+        ("completions", "echo", True),
+        ("chat/completions", "response_format", {"type": "json_object"}),
+        ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
+def test_a_field_that_would_change_the_output_and_is_not_implemented_is_refused(server, path, field, value):
+    """Answered without it, the request would get output that silently ignores it: a 400 naming the field. Sent
+    with the value that changes nothing, or a field no engine reads, the same request is served."""
+    request = {"prompt": "def main():"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    request |= {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    refused = httpx.post(f"{server.url}/v1/{path}", json={**request, field: value}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert f"{field}={value!r} is not implemented" in refused.json()["error"]["message"]
+    neutral = UNIMPLEMENTED_FIELDS[field][0] if UNIMPLEMENTED_FIELDS[field] else None
+    served = httpx.post(f"{server.url}/v1/{path}", json={**request, field: neutral, "user": "u1"}, timeout=60)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
 
 
 def test_api_key_and_a_killed_rank():

@@ -73,7 +73,7 @@ class BatchState:
         before = [len(tokens) for tokens in self.result.tokens]
         counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
         decision = self.decision.tolist()  # the step's one read from the device
-        self.active = commit(self.result, decision, self.k, self.sequences, counted, self.active)
+        self.active = commit(self.result, decision, self.k, self.sequences, counted, self.active, self.model.faults)
         self.stand_in_drafts = [False] * len(self.sequences)
         self.speculating = self.k > 0 and all(PLACEHOLDER not in row[self.k + 2 :] for row in decision)
         for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order

@@ -201,10 +201,11 @@ def speculative_step(
     return torch.cat([accepted[:, None], emitted, draft_tokens], dim=1)
 
 
-def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None):
+def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None, faults=Faults()):
     """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
     returns which rows go on. decision: the step's, read to the host; its rows: [accepted n, emitted tokens (k+1,
-    padded), next drafts (k)]. `counted`: the rows whose drafts the metrics count."""
+    padded), next drafts (k)]. `counted`: the rows whose drafts the metrics count. `faults`: the two that break
+    this (stop-in-draft-missed, eos-leak-past-max-tokens)."""
     active = active or [True] * len(result.tokens)
     still = []
     for row, (n, *rest) in enumerate(decision):
@@ -214,9 +215,13 @@ def commit(result, decision: list[list[int]], k: int, sequences, counted: list[b
         if counted[row] and k:
             result.metrics.record(n, k)
             result.row_metrics[row].record(n, k)
-        sequence = sequences[row]
-        for token in rest[: n + 1]:
-            if token in sequence.stop_token_ids:
+        sequence, run = sequences[row], rest[: n + 1]
+        if faults.eos_leak_past_max_tokens and len(result.tokens[row]) + len(run) > sequence.max_new_tokens:
+            result.tokens[row] += run  # the run that crosses the limit, whole: past it, and past any stop in it
+            result.finish_reasons[row] = "length"
+        for index, token in enumerate(run if not result.finish_reasons[row] else ()):
+            seen = index == len(run) - 1 or not faults.stop_in_draft_missed  # the fault checks a run's last only
+            if token in sequence.stop_token_ids and seen:
                 result.finish_reasons[row] = "stop"
                 break
             result.tokens[row].append(token)
