@@ -45,7 +45,10 @@ PrefixCacheFlag = Annotated[
 SweepPromptsOption = Annotated[
     int | None,
     typer.Option(
-        min=2, max=STARTS, help="Prompts per context-length bucket (default: as many as the sweep's power needs)."
+        min=2,
+        max=STARTS,
+        help="Prompts per context-length bucket (default: as many as the sweep's power needs) and per prefix-cache "
+        "group (default: 64).",
     ),
 ]
 ConcurrencyOption = Annotated[

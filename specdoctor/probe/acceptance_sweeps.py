@@ -60,8 +60,12 @@ PREFIX_DENSITY_MARGIN = 0.95  # a try cut by the last one's density aims this fa
 # stretches of the corpus are denser (by a third).
 PREFIX_FILL = 0.7
 PREFIX_START = 128
-PREFIX_PROMPTS = 48  # and PREFIX_MAX_TOKENS each: about 800 drafts a group at a mean length of 2
-PREFIX_MAX_TOKENS = 32
+# Prompts (unless --sweep-prompts) and tokens each: about 2,000 drafts a group at a mean length of 2. At 48 x 32
+# the demo-dspark's prefix-cache-drafter-kv (position 0 about 64 % cold, 53 % warm) passed 1 of 4 fresh-server
+# runs (p above ALPHA; the prompts' random first line moves what the reused blocks hold); at 64 x 64, 12 of 12
+# failed it, the largest p 1.7e-6.
+PREFIX_PROMPTS = 64
+PREFIX_MAX_TOKENS = 64
 CONCURRENCY_HINT = (
     "rows of a batched drafter step read what they should not: padded or stale rows (vllm#26191, tokenspeed#955) "
     "or CUDA graphs captured for another batch (vLLM PRs #54374, #52816): rerun with --enforce-eager (vLLM) or "
@@ -148,7 +152,8 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     body = prefix_prompt_chars(probe, served, options, per_token, nonce)
     if isinstance(body, str):
         return not_run("prefix-cache", body)
-    prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(PREFIX_PROMPTS)]
+    count = options.sweep_prompts or PREFIX_PROMPTS
+    prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(count)]
     cold = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
     before = probe.samples()
     warm = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
@@ -161,7 +166,7 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     if hits is None or hits < PREFIX_SHARE * total:
         return not_run("prefix-cache", f"the warm prompts found {hits or 0:,} of their {total:,} tokens in the cache")
     sweep = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, PREFIX_HINT)
-    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,} ({PREFIX_PROMPTS} prompts, sized to hit)"
+    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,} ({count} prompts, sized to hit)"
     return sweep
 
 

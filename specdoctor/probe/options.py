@@ -17,7 +17,7 @@ class SweepOptions:
     context: bool = False
     context_lengths: tuple[int, ...] = ()  # () : doubling from 128 up to the served max_model_len
     max_context: int | None = None  # where the server does not say its max_model_len
-    sweep_prompts: int | None = None  # prompts per context-length bucket (None: sized for power)
+    sweep_prompts: int | None = None  # prompts per context bucket (None: sized for power) and prefix-cache group
     prefix_cache: bool = False
     concurrency: tuple[int, ...] = ()  # () : no concurrency sweep
     sampling_tokens: int = 0  # 0 : no sampling sweep; else the tokens sampled at each setting

@@ -270,7 +270,8 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     top-p 0.95, tokens outside that distribution's nucleus. The API sweep fails on seeds, vLLM's too."""
     reference = SpecdoctorServer("--num-speculative-tokens", "0")
     try:
-        result = probe(vllm_demo.url, "--all", "--sampling", "600", "--reference-url", reference.url)
+        args = ("--all", "--sampling", "600", "--sweep-prompts", "16", "--reference-url", reference.url)
+        result = probe(vllm_demo.url, *args)
     finally:
         reference.stop()
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr
