@@ -62,6 +62,10 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     # The HTML report in a real browser: the battery's bars, context's curve and bars, the prefix cache's and
     # concurrency's bars, and the sampling calibration at each setting, every one loaded.
     assert images_loaded(html, tmp_path / "profile") == (8, 8)
+    # the API sweep as a table: a row per check, its verdict and evidence
+    page = html.read_text()
+    assert "<th>check</th><th>requests</th><th>verdict</th><th>evidence</th>" in page
+    assert "<td>max_tokens mid-run</td>" in page and "<td>passed</td>" in page
 
 
 @pytest.mark.parametrize(
