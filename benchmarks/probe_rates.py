@@ -16,7 +16,6 @@ rule's rate on these pools, not how a rate varies between servers.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import secrets
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from specdoctor.probe.acceptance_sweeps import (
 from specdoctor.probe.client import Probe, Window
 from specdoctor.probe.corpus import STARTS, corpus_prompt
 from specdoctor.probe.options import ProbeOptions, SweepOptions
-from specdoctor.probe.stats import prompts_for_power
+from specdoctor.probe.stats import prompts_for_power, rate_upper_bound
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer
 
@@ -130,11 +129,10 @@ def one_run(case: Case, groups: list[list], rng: random.Random, alpha: float) ->
 
 
 def interval(failures: int, runs: int) -> tuple[float, float]:
-    """Wilson's 95 % interval on a rate."""
-    z, rate = 1.96, failures / runs
-    centre = (rate + z * z / (2 * runs)) / (1 + z * z / runs)
-    half = z * math.sqrt(rate * (1 - rate) / runs + z * z / (4 * runs * runs)) / (1 + z * z / runs)
-    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
+    """Wilson's 95 % interval on a rate: each side the one-sided bound at 2.5 % (the lower one that of the
+    complement's rate)."""
+    lower = 1 - rate_upper_bound(runs - failures, runs, 0.025)
+    return round(max(0.0, lower), 4), round(rate_upper_bound(failures, runs, 0.025), 4)
 
 
 def main() -> None:

@@ -160,17 +160,11 @@ def refused_check(name: str, family: str, replies: list[dict]) -> ApiCheck | Non
     )
 
 
-def tie_before(ids: list[int], plain: dict, end: int) -> bool:
-    """The ids leave the plain output before index `end` at a near tie of the plain output's own
-    log-probabilities: numerics, not the field."""
-    expected = output_ids(plain)
-    index = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b), None)
-    if index is None or index >= end:
-        return False
-    tops = (first_choice(plain).get("logprobs") or {}).get("top_logprobs") or []
-    top = (tops[index] if index < len(tops) else None) or {}
-    mine = top.get(f"token_id:{ids[index]}")
-    return mine is not None and max(top.values()) - mine <= TIE_MARGIN
+def tie_before(reply: dict, plain: dict, end: int) -> bool:
+    """The reply leaves the plain output before index `end` at a near tie of the plain output's own
+    log-probabilities (the reference sweep's rule): numerics, not the field."""
+    found = divergence(reply, plain)
+    return found is not None and found["index"] < end and found["gap"] <= TIE_MARGIN
 
 
 def cut_mismatch(reply: dict, plain: dict, keep: int, finish: str) -> str | None:
@@ -180,7 +174,7 @@ def cut_mismatch(reply: dict, plain: dict, keep: int, finish: str) -> str | None
         return reply["error"]
     ids, plain_ids = output_ids(reply) or [], output_ids(plain)
     due = [plain_ids[:keep]] + ([plain_ids[: keep + 1]] if finish == "stop" else [])
-    if ids not in due and not tie_before(ids, plain, keep):
+    if ids not in due and not tie_before(reply, plain, keep):
         if ids[:keep] == due[0]:
             how = f"{len(ids) - keep} past the cut"
         else:
@@ -252,7 +246,7 @@ def stop_mismatch(reply: dict, plain: dict, text: str) -> str | None:
         return reply["error"]
     ids = output_ids(reply) or []
     if ids != output_ids(plain)[: len(ids)]:
-        return None if tie_before(ids, plain, len(ids)) else "its tokens are not the plain output's"
+        return None if tie_before(reply, plain, len(ids)) else "its tokens are not the plain output's"
     if output_text(reply) != text:
         return f"the text ends {output_text(reply)[-30:]!r} where it should end {text[-30:]!r}"
     if finish_of(reply) != "stop":
@@ -302,9 +296,8 @@ def logprobs_check(asker: Asker, plain: Plain) -> ApiCheck:
 
 
 def logprob_mismatch(mine: list, tops: list, theirs: list, reply: dict, expected: dict) -> str | None:
-    same = next(
-        (i for i, (a, b) in enumerate(zip(output_ids(reply), output_ids(expected), strict=False)) if a != b), len(mine)
-    )
+    parted = divergence(reply, expected)  # the reference's values are compared up to where the outputs part
+    same = parted["index"] if parted else len(mine)
     for i, (value, top) in enumerate(zip(mine, tops, strict=True)):
         best = max((top or {}).values(), default=value)
         if value > 1e-6:

@@ -141,19 +141,6 @@ def student_t_quantile(q: float, df: float) -> float:
     return high
 
 
-def drop_p_value(reference: tuple[int, int], group: tuple[int, int]) -> float:
-    """One-sided p-value that `group` accepts less often than `reference`, each (accepted, drafts): the pooled
-    two-proportion z test. 1.0 where either has no drafts or nothing varies."""
-    (x1, n1), (x2, n2) = reference, group
-    if not n1 or not n2:
-        return 1.0
-    pooled = (x1 + x2) / (n1 + n2)
-    spread = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-    if spread == 0:
-        return 1.0
-    return 1 - NormalDist().cdf((x1 / n1 - x2 / n2) / spread)
-
-
 def rate_upper_bound(accepted: int, drafts: int, alpha: float) -> float:
     """Wilson's one-sided upper confidence bound on a rate at level 1 - alpha."""
     if not drafts:

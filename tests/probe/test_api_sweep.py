@@ -97,9 +97,9 @@ def test_a_cut_is_exactly_the_plain_outputs_first_tokens_with_its_finish_reason(
 def test_a_difference_at_a_near_tie_of_the_plain_output_is_numerics():
     at_tie = [{}, {"token_id:6": -0.5, "token_id:4": -0.5 - TIE_MARGIN}, {}]
     past_tie = [{}, {"token_id:6": -0.5, "token_id:4": -0.5 - TIE_MARGIN - 0.01}, {}]
-    assert tie_before([5, 4, 1], reply([5, 6, 7], "length", at_tie), 3)
-    assert not tie_before([5, 4, 1], reply([5, 6, 7], "length", past_tie), 3)
-    assert not tie_before([5, 4, 1], reply([5, 6, 7], "length", at_tie), 1)  # the difference is past the cut
+    assert tie_before(reply([5, 4, 1], "length"), reply([5, 6, 7], "length", at_tie), 3)
+    assert not tie_before(reply([5, 4, 1], "length"), reply([5, 6, 7], "length", past_tie), 3)
+    assert not tie_before(reply([5, 4, 1], "length"), reply([5, 6, 7], "length", at_tie), 1)  # past the cut
     assert cut_mismatch(reply([5, 4], "length"), reply([5, 6, 7], "length", at_tie), 2, "length") is None
 
 

@@ -201,6 +201,19 @@ def speculative_step(
     return torch.cat([accepted[:, None], emitted, draft_tokens], dim=1)
 
 
+def append_run(result, row: int, run: list[int], sequence, stop_in_draft_missed: bool) -> None:
+    """Append a step's emitted tokens up to a stop token id (not kept) or the sequence's limit; with the fault, a
+    stop id is seen only as the run's last token."""
+    for index, token in enumerate(run):
+        if token in sequence.stop_token_ids and (index == len(run) - 1 or not stop_in_draft_missed):
+            result.finish_reasons[row] = "stop"
+            return
+        result.tokens[row].append(token)
+        if len(result.tokens[row]) >= sequence.max_new_tokens:
+            result.finish_reasons[row] = "length"
+            return
+
+
 def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None, faults=Faults()):
     """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
     returns which rows go on. decision: the step's, read to the host; its rows: [accepted n, emitted tokens (k+1,
@@ -219,15 +232,8 @@ def commit(result, decision: list[list[int]], k: int, sequences, counted: list[b
         if faults.eos_leak_past_max_tokens and len(result.tokens[row]) + len(run) > sequence.max_new_tokens:
             result.tokens[row] += run  # the run that crosses the limit, whole: past it, and past any stop in it
             result.finish_reasons[row] = "length"
-        for index, token in enumerate(run if not result.finish_reasons[row] else ()):
-            seen = index == len(run) - 1 or not faults.stop_in_draft_missed  # the fault checks a run's last only
-            if token in sequence.stop_token_ids and seen:
-                result.finish_reasons[row] = "stop"
-                break
-            result.tokens[row].append(token)
-            if len(result.tokens[row]) >= sequence.max_new_tokens:
-                result.finish_reasons[row] = "length"
-                break
+        else:
+            append_run(result, row, run, sequence, faults.stop_in_draft_missed)
         still.append(not result.finish_reasons[row])
         if still[-1]:
             result.proposals += rest[k + 1 :]  # the drafts this sequence's next step will verify
