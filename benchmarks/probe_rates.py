@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import secrets
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -34,7 +33,8 @@ from specdoctor.probe.acceptance_sweeps import (
     PREFIX_PROMPTS,
     chars_per_token,
     compare_groups,
-    prefix_prompt_chars,
+    prefix_prompt_tokens,
+    sized_prompts,
 )
 from specdoctor.probe.client import Probe, Window
 from specdoctor.probe.corpus import STARTS, corpus_prompt
@@ -79,9 +79,9 @@ def pool(case: Case) -> list[list]:
             groups = [[corpus_prompt(i, int(length * per_token)) for i in range(STARTS)] for length in CONTEXT_LENGTHS]
             windows = [probe.measure(model, prompts) for prompts in groups]
         elif case.sweep == "prefix-cache":  # prompts as long as the sweep finds it needs
-            served, nonce = probe.served_model(), secrets.token_hex(8)
-            body = prefix_prompt_chars(probe, served, SweepOptions(), chars_per_token(probe, served), nonce)
-            prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(STARTS)]
+            served = probe.served_model()
+            found = prefix_prompt_tokens(probe, served, SweepOptions(), chars_per_token(probe, served))
+            prompts = sized_prompts(probe, served, STARTS, *found)
             windows = [probe.measure(model, prompts, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
         else:  # the sweep's own prompts, 64 of them, at each level
             group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(STARTS)]

@@ -52,13 +52,19 @@ PREFIX_HITS = "vllm:prefix_cache_hits"  # vLLM's counter of prompt tokens found 
 # 128-token blocks then need prompts of 257 tokens or more, and its 512-token test deployment leaves room for a
 # quarter restored, whatever the density of each prompt's stretch of the corpus).
 PREFIX_SHARE = 1 / 4
-# The length is chosen where a resend finds this share of itself: past a block's edge by a margin, so that the
-# sweep's prompts, whose densities differ, mostly reach it too.
+# The length is chosen where a resend finds this share of itself, so the sweep's prompts, each cut to that length
+# by its own measured density, restore well over PREFIX_SHARE.
 PREFIX_FIND_SHARE = 1 / 2
 PREFIX_DENSITY_MARGIN = 0.95  # a try cut by the last one's density aims this far under its length
-# The sweep's prompts are this share of the length found where that is the most the server takes: other
-# stretches of the corpus are denser (by a third).
-PREFIX_FILL = 0.7
+# The sweep's prompts aim this far past the length found (an engine caches whole blocks, so a prompt a little
+# shorter may cross under a block's edge and find a block less), and at most PREFIX_ROOM of what the server takes.
+PREFIX_OVER = 1.05
+PREFIX_ROOM = 0.97
+# Each prompt is cut by its own density, measured (twice, converging) on its first PREFIX_FIRST_CUT of the aim:
+# stretches of the corpus differ by a third, so one density for all put 9 of 16 of vLLM's prompts under the edge
+# of its second 128-token block (a CI run). A stretch a third denser than the mean still fits at this cut.
+PREFIX_FIRST_CUT = 0.75
+PREFIX_SIZING_CONCURRENCY = 16
 PREFIX_START = 128
 # Prompts (unless --sweep-prompts) and tokens each: about 2,000 drafts a group at a mean length of 2. At 48 x 32
 # the demo-dspark's prefix-cache-drafter-kv (position 0 about 64 % cold, 53 % warm) passed 1 of 4 fresh-server
@@ -148,12 +154,13 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     per_token = chars_per_token(probe, served)
     if isinstance(per_token, str):
         return not_run("prefix-cache", per_token)
-    nonce = secrets.token_hex(8)
-    body = prefix_prompt_chars(probe, served, options, per_token, nonce)
-    if isinstance(body, str):
-        return not_run("prefix-cache", body)
+    found = prefix_prompt_tokens(probe, served, options, per_token)
+    if isinstance(found, str):
+        return not_run("prefix-cache", found)
     count = options.sweep_prompts or PREFIX_PROMPTS
-    prompts = [f"# {nonce} {i}\n" + corpus_prompt(i, body) for i in range(count)]
+    prompts = sized_prompts(probe, served, count, *found)
+    if isinstance(prompts, str):
+        return not_run("prefix-cache", prompts)
     cold = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
     before = probe.samples()
     warm = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
@@ -170,16 +177,17 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     return sweep
 
 
-def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per_token: float, nonce: str):
-    """The sweep's prompts' length in characters: the shortest of PREFIX_START tokens, doubling, up to what the
-    server takes, whose resend finds PREFIX_FIND_SHARE of its tokens in the cache; or why there is none. Each try's
-    reply counts its tokens, and the next try is cut by that density (the last fills the server's room)."""
+def prefix_prompt_tokens(probe: Probe, served: Served, options: SweepOptions, per_token: float):
+    """The sweep's prompts' length in tokens and a first guess at the characters per token: PREFIX_OVER past the
+    shortest of PREFIX_START tokens, doubling, up to what the server takes, whose resend finds PREFIX_FIND_SHARE of
+    its tokens in the cache; or why there is none. Each try's reply counts its tokens, and the next try is cut by
+    that density (the last fills the server's room)."""
     max_len = options.max_context or served.max_model_len or 2 * PREFIX_START
     longest, found, chars_per_token = max_len - PREFIX_MAX_TOKENS, [], per_token
     lengths = [PREFIX_START * 2**i for i in range(16) if PREFIX_START * 2**i < longest * CONTEXT_FILL] + [longest]
+    nonce = secrets.token_hex(8)
     for length in lengths:
-        last = length == longest  # the most the server takes: room for the density, unless a try measured it
-        fill = CONTEXT_FILL if last and not found else 1
+        fill = CONTEXT_FILL if length == longest and not found else 1  # room for the density, unless a try measured it
         body = corpus_prompt(STARTS - 1, int(length * chars_per_token * fill))
         prompt = f"# {nonce} size {length}\n" + body
         probe.complete(served.model, prompt, max_tokens=1)
@@ -193,15 +201,34 @@ def prefix_prompt_chars(probe: Probe, served: Served, options: SweepOptions, per
             )
         tokens = (reply.get("usage") or {}).get("prompt_tokens") or 0
         found.append(f"{hits} of {tokens}")
-        if tokens and hits >= PREFIX_FIND_SHARE * tokens:
-            return int(len(body) * (PREFIX_FILL if last else 1))
         if tokens:
-            chars_per_token = len(body) / tokens * PREFIX_DENSITY_MARGIN
+            chars_per_token = len(body) / tokens
+        if tokens and hits >= PREFIX_FIND_SHARE * tokens:
+            return int(min(tokens * PREFIX_OVER, longest * PREFIX_ROOM)), chars_per_token
+        chars_per_token *= PREFIX_DENSITY_MARGIN
     shown = ", ".join(found) or "none"
     return (
         f"no prompt up to {longest} tokens found {PREFIX_FIND_SHARE:.0%} of itself in the cache when sent again "
         f"(cached tokens: {shown}): caching is off, or its blocks are longer than the prompts the server takes"
     )
+
+
+def sized_prompts(probe: Probe, served: Served, count: int, tokens: int, per_token: float) -> list[str] | str:
+    """`count` prompts of about `tokens` tokens, each a random first line (never seen) and its stretch of the
+    corpus cut by that stretch's own density; or why not. The densities are measured on the same stretches under
+    another first line, so no block of theirs is cached before the cold round."""
+    scratch, nonce = secrets.token_hex(8), secrets.token_hex(8)
+    chars = [int(tokens * per_token * PREFIX_FIRST_CUT)] * count
+    for _ in range(2):
+        trial = [f"# {scratch} {i}\n" + corpus_prompt(i, size) for i, size in enumerate(chars)]
+        replies = probe.complete_all(served.model, trial, PREFIX_SIZING_CONCURRENCY, max_tokens=1)
+        measured = [(reply.get("usage") or {}).get("prompt_tokens") for reply in replies]
+        missing = [i for i, got in enumerate(measured) if not isinstance(got, int)]
+        if missing:
+            why = replies[missing[0]].get("error", replies[missing[0]])
+            return f"prompt {missing[0]}, sent to count its tokens, got no usage.prompt_tokens: {why}"
+        chars = [int(size * tokens / got) for size, got in zip(chars, measured, strict=True)]
+    return [f"# {nonce} {i}\n" + corpus_prompt(i, size) for i, size in enumerate(chars)]
 
 
 def cached_tokens(warm: Window, before: list | None, after: list | None) -> int | None:

@@ -287,7 +287,9 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     }, json.dumps({name: sweep["summary"] for name, sweep in sweeps.items()} | {"api": sweeps["api"]["points"]})
     assert len(sweeps["context"]["points"]) == 3  # 128, 256 and 432 tokens under vLLM's max_model_len of 512
     cached, total = re.search(r"cached: ([\d,]+) of ([\d,]+)", sweeps["prefix-cache"]["summary"]).groups()
-    assert int(cached.replace(",", "")) >= int(total.replace(",", "")) / 4  # the share the sweep needs
+    # Each prompt is cut by its own measured density to the length found (about 430 tokens here), so every one of
+    # the 16 restores two of vLLM's 128-token blocks (cut by one mean density, 9 of 16 fell under 257 tokens once)
+    assert int(cached.replace(",", "")) == 16 * 256 and int(total.replace(",", "")) <= 16 * 448
     errors = [f for f in report["findings"] if f["severity"] == "error"]
     # temperature 1 fails every run (p near 0); at the chat defaults vLLM also emits tokens outside the top-p
     # nucleus of its own reported distribution (6 of 288 at 0.6, 1 of 141 at 0.8 in one run), found most runs
