@@ -20,6 +20,11 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
                            seen: only the run's last token is checked against them (sglang#23802's class)
   eos-leak-past-max-tokens the step whose run crosses max_tokens appends the whole run: tokens past the limit,
                            and past a stop token in it, leak into the output (sglang#33758)
+  penalties-per-step       repetition, frequency and presence penalties at every verified position counted from the
+                           output committed before the step, not from the drafts accepted before it (sglang#33643's
+                           class): an accepted run is penalised as one token, and the output is not plain decoding's
+  logprobs-of-draft        the log-probabilities reported for an accepted draft are the drafter's distribution at
+                           that position, not the target's (vllm#34497's class)
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
                            the target's embedding: TP rank 0 does, the others leave their shard as allocated
                            (vllm#50158)
@@ -40,6 +45,8 @@ SWITCHES = (
     "sampling-params-ignored",
     "stop-in-draft-missed",
     "eos-leak-past-max-tokens",
+    "penalties-per-step",
+    "logprobs-of-draft",
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
@@ -57,6 +64,8 @@ class Faults:
     sampling_params_ignored: bool = False
     stop_in_draft_missed: bool = False
     eos_leak_past_max_tokens: bool = False
+    penalties_per_step: bool = False
+    logprobs_of_draft: bool = False
     per_rank_sharing: bool = False
     vocab_shard_shifted: bool = False
 

@@ -172,10 +172,11 @@ def make_jobs(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
                 "max_tokens",
             )
+        adjustments = body.adjustments(state.engine.config.vocab_size, max_tokens)
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)
-            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs)))
+            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs, adjustments)))
     return jobs
 
 

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from specdoctor.runtime.decode.adjustments import LogitAdjustments
+
 # Used when a checkpoint ships no chat template: one line per message, then the assistant's turn.
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
@@ -21,12 +23,7 @@ MAX_LOGPROBS = 20  # top alternatives per token, vLLM's default --max-logprobs
 # (an engine that ignored it would answer with output that silently ignores it). Other unknown fields stay ignored,
 # as OpenAI's API ignores them.
 UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
     "min_p": (0,),
-    "min_tokens": (0,),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "best_of": (1,),
@@ -78,6 +75,12 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: log-probability entries named "token_id:N"
     return_token_ids: StrictBool = False  # vLLM's extension: each choice carries its prompt's and its output's ids
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    # Applied to the target's logits at every verified position (runtime/decode/adjustments.py), in vLLM's bounds.
+    presence_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: StrictFloat | StrictInt = Field(default=1.0, gt=0, allow_inf_nan=False)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -92,6 +95,24 @@ class SamplingFields(BaseModel):
                     f"leave it out (or send {values})",
                     name,
                 )
+
+    def adjustments(self, vocab: int, max_tokens: int) -> LogitAdjustments:
+        """The logit adjustments asked for, as vLLM reads them: biases clamped to [-100, 100]."""
+        if self.min_tokens > max_tokens:
+            message = f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})"
+            raise RequestError(message, "min_tokens")
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+            bias.append((int(key), min(100.0, max(-100.0, float(value)))))
+        return LogitAdjustments(
+            tuple(bias),
+            self.min_tokens,
+            float(self.repetition_penalty),
+            float(self.frequency_penalty),
+            float(self.presence_penalty),
+        )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

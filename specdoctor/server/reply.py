@@ -22,7 +22,8 @@ class Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
-        self.texts = {job.id: StreamedText(state.codec, self.stops) for job in jobs}
+        self.min_tokens = jobs[0].sequence.adjustments.min_tokens if jobs else 0
+        self.texts = {job.id: StreamedText(state.codec, self.stops, self.min_tokens) for job in jobs}
         for job in jobs:
             job.should_stop = self.texts[job.id].feed if self.stops else None
 
@@ -30,7 +31,14 @@ class Reply:
         return self.state.codec.decode(tokens)
 
     def stopped(self, tokens: list[int]) -> bool:
-        return apply_stop(self.decode(tokens), self.stops)[1]
+        return self.cut(tokens)[1]
+
+    def cut(self, tokens: list[int]) -> tuple[str, bool]:
+        """The text of these tokens, cut at a stop string that ends past the first min_tokens tokens' text."""
+        if len(tokens) <= self.min_tokens:
+            return self.decode(tokens), False
+        floor = len(self.decode(tokens[: self.min_tokens])) if self.min_tokens else 0
+        return apply_stop(self.decode(tokens), self.stops, floor)
 
     def finish(self, job: Job) -> tuple[str, str]:
         """The choice's text and finish reason. A stop string ends the tokens at the one that completed it,
@@ -41,7 +49,7 @@ class Reply:
         elif streamed is not None and streamed.restarted:  # a whole decode no longer extends the streamed text
             text, kept = streamed.text, None
         else:  # the whole text: a stop may end in the last step's bytes that made no character until now
-            text, stopped = apply_stop(self.decode(job.tokens), self.stops)
+            text, stopped = self.cut(job.tokens)
             kept = self.kept_tokens(job.tokens) if stopped else None
         if kept is not None:
             job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]

@@ -18,24 +18,29 @@ from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream, on text that does not extend its last
 
 
-def earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, int] | None:
-    """(begin, end) of the stop string that completes first (from `start`): a step of several tokens is cut as
-    adding them one at a time would cut it (vLLM's rule; ties go to the earlier in the list)."""
-    found = [(index, index + len(stop)) for stop in stops if (index := text.find(stop, start)) >= 0]
+def earliest_stop(text: str, stops: list[str], start: int = 0, floor: int = 0) -> tuple[int, int] | None:
+    """(begin, end) of the stop string that completes first (from `start`, ending past `floor`: the text of the
+    first min_tokens tokens, where vLLM looks for none): a step of several tokens is cut as adding them one at a
+    time would cut it (vLLM's rule; ties go to the earlier in the list)."""
+    found = [
+        (index, index + len(stop))
+        for stop in stops
+        if (index := text.find(stop, max(start, floor - len(stop) + 1))) >= 0
+    ]
     return min(found, key=lambda span: span[1]) if found else None
 
 
-def apply_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Cut the text at the stop string that completes first; True when one was found."""
-    span = earliest_stop(text, stops)
+def apply_stop(text: str, stops: list[str], floor: int = 0) -> tuple[str, bool]:
+    """Cut the text at the stop string that completes first past `floor`; True when one was found."""
+    span = earliest_stop(text, stops, 0, floor)
     return (text, False) if span is None else (text[: span[0]], True)
 
 
 class StreamedText:
     """One job's text so far: `feed` it the job's tokens after each step."""
 
-    def __init__(self, codec: TextCodec, stops: list[str]):
-        self.codec, self.stops = codec, stops
+    def __init__(self, codec: TextCodec, stops: list[str], min_tokens: int = 0):
+        self.codec, self.stops, self.min_tokens = codec, stops, min_tokens
         self.reach = max((len(stop) for stop in stops), default=1) - 1  # how far back a stop can begin
         self.decoder = DecodeStream(skip_special_tokens=True)  # as TextCodec.decode skips them
         self.text = ""
@@ -56,8 +61,10 @@ class StreamedText:
                 length += len(piece)
             self.ends.append(length)
         self.text += "".join(pieces)
-        if self.stops and len(self.text) > before:
-            self.stop = earliest_stop(self.text, self.stops, max(0, before - self.reach))  # it ends in the new text
+        if self.stops and len(self.text) > before and len(self.ends) > self.min_tokens:
+            floor = self.ends[self.min_tokens - 1] if self.min_tokens else 0
+            start = max(0, before - self.reach)  # it ends in the new text
+            self.stop = earliest_stop(self.text, self.stops, start, floor)
         return self.stopped
 
     def step(self, token: int) -> str | None:

@@ -93,6 +93,28 @@ def goldens(vllm_python, tmp_path_factory):
     return json.loads(line.removeprefix("GOLDENS ")), tied
 
 
+def test_penalties_at_every_verified_position_are_vllms(goldens):
+    """Presence, frequency and repetition penalties (each alone, then all three, both signs of logits) at the k draft
+    positions and the bonus one: our logits equal those vLLM's samplers verify against, each position penalised for
+    the committed output and the drafts before it. Counting the committed output alone at every position (the
+    penalties-per-step fault) gives other logits."""
+    import torch
+
+    from specdoctor.runtime.decode.adjustments import LogitAdjustments, adjusted_logits
+    from specdoctor.runtime.decode.requests import SequenceRequest
+    from tests.peer.vllm_goldens import PENALTY_CASES, PENALTY_DRAFTS, PENALTY_OUTPUT, PENALTY_PROMPT
+
+    golden = goldens[0]["penalties"]
+    logits, drafts = torch.tensor(golden["logits"])[None], torch.tensor([PENALTY_DRAFTS])
+    for name, (presence, frequency, repetition) in PENALTY_CASES.items():
+        wanted = LogitAdjustments((), 0, repetition, frequency, presence)
+        sequence = SequenceRequest(PENALTY_PROMPT, 16, adjustments=wanted)
+        ours = adjusted_logits(logits, [sequence], [PENALTY_OUTPUT], drafts)[0]
+        torch.testing.assert_close(ours, torch.tensor(golden["cases"][name]), rtol=0, atol=1e-6, msg=name)
+        per_step = adjusted_logits(logits, [sequence], [PENALTY_OUTPUT], drafts, per_step=True)[0]
+        assert not torch.allclose(per_step, ours), name
+
+
 def test_partition_matches_vllms_get_pp_indices(goldens, monkeypatch):
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
     for key, ranks in goldens[0]["pp"]["grid"].items():
@@ -297,20 +319,22 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "setting"
     ] == "temperature 1"
     assert errors[0]["data"]["p_value"] < 1e-6
-    # The request API: vLLM keeps max_tokens, stops and log-probabilities under MTP; it refuses logit_bias with
-    # speculation (400); a seeded request at temperature 0.8 is not reproducible with MTP (it is without: measured
-    # at concurrency 1 and 6, n 1 and 2; docs/probe.md), and penalties go unverified (the reference refuses them).
+    # The request API: vLLM keeps max_tokens, stops, min_tokens, log-probabilities and the penalties under MTP (the
+    # reference, serve at k 0, gives vLLM at k 0's replies to every check: benchmarks/vllm_api_sweep.py); it refuses
+    # logit_bias with speculation (400); a seeded request at temperature 0.8 is not reproducible with MTP (it is
+    # without: measured at concurrency 1 and 6, n 1 and 2; docs/probe.md).
     api = {point["label"]: point for point in sweeps["api"]["points"]}
     verdicts = {name: point["verdict"] for name, point in api.items()}
     assert verdicts == {
         "max_tokens mid-run": "passed",
         "stop strings": "passed",
         "stop token ids": "passed",
+        "min_tokens": "passed",
         "logprobs": "passed",
         "logit_bias": "not run",
-        "presence_penalty 1.5": "not run",
-        "frequency_penalty 1": "not run",
-        "repetition_penalty 1.5": "not run",
+        "presence_penalty 1.5": "passed",
+        "frequency_penalty 1": "passed",
+        "repetition_penalty 1.5": "passed",
         "seed": "failed",
     }
     assert "not yet supported with speculative decoding" in api["logit_bias"]["evidence"]

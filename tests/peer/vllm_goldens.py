@@ -9,6 +9,9 @@ specdoctor not): `python tests/peer/vllm_goldens.py DEMO_DIR TIED_DEMO_DIR`.
 - DSpark: the aux hidden-state layers (get_eagle3_aux_layers_from_config, then the sorted set the target
   keeps) and the mask token (get_parallel_drafting_token_id) for several draft configs, and how many aux
   states reach each PP rank from upstream (EagleModelMixin's slot base, with the PP group faked);
+- penalties under speculation: the logits vLLM's rejection sampler verifies each draft position against, and the
+  bonus position's, with presence, frequency and repetition penalties (its own apply_all_penalties, on the outputs
+  its samplers build from the committed output and the drafts);
 - EAGLE-3: the default aux layers (SupportsEagle3), the layers and flags vLLM reads from head configs of both
   layouts (the speculators format converted by its SpeculatorsConfig), and compute_logits' d2t placement.
 """
@@ -286,6 +289,31 @@ def tp_slices() -> dict:
     return out
 
 
+PENALTY_VOCAB, PENALTY_PROMPT, PENALTY_OUTPUT, PENALTY_DRAFTS = 40, [3, 7, 7, 11], [5, 9, 5, 2, 30], [9, 5, 13]
+PENALTY_CASES = {"presence": (1.5, 0.0, 1.0), "frequency": (0.0, 1.0, 1.0), "repetition": (0.0, 0.0, 1.5)}
+PENALTY_CASES["all three"] = (0.5, -0.7, 1.3)
+
+
+def penalties() -> dict:
+    """Logits [k + 1, V] (seeded, both signs) through vLLM's penalties, each row for its own output: the draft
+    positions' from RejectionSampler (the committed output, then each earlier draft), the bonus position's from
+    Sampler (every draft)."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    logits = torch.randn(len(PENALTY_DRAFTS) + 1, PENALTY_VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    outputs = RejectionSampler._combine_outputs_with_spec_tokens([PENALTY_OUTPUT], [PENALTY_DRAFTS])
+    outputs += Sampler._combine_outputs_with_spec_tokens([PENALTY_OUTPUT], [PENALTY_DRAFTS])
+    rows = len(outputs)
+    prompt = torch.tensor([PENALTY_PROMPT] * rows)
+    cases = {}
+    for name, (presence, frequency, repetition) in PENALTY_CASES.items():
+        wanted = [torch.full((rows,), value) for value in (presence, frequency, repetition)]
+        cases[name] = apply_all_penalties(logits.clone(), prompt, *wanted, outputs).tolist()
+    return {"logits": logits.tolist(), "outputs": outputs, "cases": cases}
+
+
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", sys.argv[3] if len(sys.argv) > 3 else "29531")
@@ -295,6 +323,7 @@ if __name__ == "__main__":
         "placement": placements({"untied": sys.argv[1], "tied": sys.argv[2]}),
         "dspark": dspark(),
         "eagle3": eagle3(),
+        "penalties": penalties(),
         "tp": tp_slices(),
     }
     print("GOLDENS " + json.dumps(goldens))

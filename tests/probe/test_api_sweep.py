@@ -8,11 +8,25 @@ import json
 
 import pytest
 
-from specdoctor.probe.api_sweep import TIE_MARGIN, cut_mismatch, stop_at, tie_before
+from specdoctor.probe.api_common import cut_mismatch, tie_before
+from specdoctor.probe.api_output_checks import stop_at
+from specdoctor.probe.output_sweeps import TIE_MARGIN
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import probe
 
-OUTPUT_FAULTS = "stop-in-draft-missed,eos-leak-past-max-tokens"
+OUTPUT_FAULTS = "stop-in-draft-missed,eos-leak-past-max-tokens,logprobs-of-draft"
+ALL_CHECKS = [
+    "max_tokens mid-run",
+    "stop strings",
+    "stop token ids",
+    "min_tokens",
+    "logprobs",
+    "logit_bias",
+    "presence_penalty 1.5",
+    "frequency_penalty 1",
+    "repetition_penalty 1.5",
+    "seed",
+]
 
 
 def api_checks(result) -> dict[str, dict]:
@@ -22,31 +36,63 @@ def api_checks(result) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def output_faults():
-    """Both output faults at once: the one touches stops inside a run, the other the run that crosses max_tokens
-    (the stop token ids the sweep chooses lie well inside its 48 tokens)."""
+    """The output faults at once: one touches stops inside a run, one the run that crosses max_tokens (the stop
+    token ids the sweep chooses lie well inside its 48 tokens), one the log-probabilities reported for drafts."""
     server = Server("--pp", "2", "--num-speculative-tokens", "3", "--fault", OUTPUT_FAULTS, "--allow-unhealthy")
     yield server
     server.stop()
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
-def test_a_healthy_server_passes_every_api_check_it_implements_and_says_which_it_refuses(servers, reference):
+def test_a_healthy_server_passes_every_api_check(servers, reference):
+    """Every field the sweep sends is implemented by `serve` at k 3 as at k 0 (the reference); without a reference
+    the repetition penalty alone is not verified (it scales logits, which log-probabilities do not show), and says
+    that it changed the outputs."""
     args = ("--reference-url", servers["off"].url) if reference else ()
     result = probe(servers["healthy"].url, "--api", *args, "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     checks = api_checks(result)
-    implemented = ["max_tokens mid-run", "stop strings", "stop token ids", "logprobs", "seed"]
-    assert {name: checks[name]["verdict"] for name in implemented} == dict.fromkeys(implemented, "passed")
-    assert all(checks[name]["requests"] >= 3 for name in implemented)
-    refused = [name for name, check in checks.items() if name not in implemented]
-    assert refused == ["logit_bias", "presence_penalty 1.5", "frequency_penalty 1", "repetition_penalty 1.5"]
-    assert all("not implemented by specdoctor serve" in checks[name]["evidence"] for name in refused)
-    assert all(checks[name]["verdict"] == "not run" for name in refused)
+    unverified = [] if reference else ["repetition_penalty 1.5"]
+    verdicts = {name: check["verdict"] for name, check in checks.items()}
+    assert verdicts == {name: "not run" if name in unverified else "passed" for name in ALL_CHECKS}
+    assert all(checks[name]["requests"] >= 3 for name in ALL_CHECKS)
+    assert checks["presence_penalty 1.5"]["requests"] == 9  # every battery prompt
+    assert checks["logprobs"]["requests"] > 3  # the positions sent again as prompts
     report = json.loads(result.stdout)
     warnings = [f["message"] for f in report["findings"] if f["severity"] == "warning"]
-    assert len(warnings) == 1 and warnings[0].startswith("not verified: logit_bias")
+    if reference:
+        assert warnings == []
+    else:
+        assert warnings == [f"not verified: repetition_penalty 1.5 ({checks['repetition_penalty 1.5']['evidence']})"]
+        assert "changed 3 of 3 outputs" in warnings[0]
     against = "(speculation off)" if reference else "against its own plain output"
     assert against in report["sweeps"][-1]["summary"]
+
+
+@pytest.fixture(scope="module")
+def penalty_fault():
+    server = Server("--pp", "2", "--num-speculative-tokens", "3", "--fault", "penalties-per-step", "--allow-unhealthy")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
+def test_penalties_applied_per_step_fail_the_penalty_checks(penalty_fault, servers, reference):
+    """A server that counts a step's accepted drafts in no penalty (penalties-per-step): its penalised outputs leave
+    speculation off's where a token repeats inside an accepted run (2 to 4 of the 9 prompts). Without a reference
+    the presence and frequency penalties are found on the replies' own raw log-probabilities; with one, all three."""
+    args = ("--reference-url", servers["off"].url) if reference else ()
+    result = probe(penalty_fault.url, "--api", *args, "--json", "-")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    checks = api_checks(result)
+    penalties = [name for name in ALL_CHECKS if "penalty" in name]
+    failing = penalties if reference else penalties[:2]
+    verdicts = {name: check["verdict"] for name, check in checks.items()}
+    expected = {name: "failed" if name in failing else "passed" for name in ALL_CHECKS}
+    assert verdicts == expected | ({} if reference else {"repetition_penalty 1.5": "not run"})
+    errors = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "error"]
+    assert [f["message"].split(":")[0] for f in errors] == failing
+    assert all("per accepted token" in f["hint"] for f in errors)
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
@@ -60,13 +106,20 @@ def test_each_output_fault_fails_the_check_of_its_class(output_faults, servers, 
         and "past the cut" in checks["max_tokens mid-run"]["evidence"]
     )
     assert checks["stop token ids"]["verdict"] == "failed"
-    # neither fault touches the others: a stop string is cut from the text, and a 48-token reply is not cut
-    assert [checks[name]["verdict"] for name in ("stop strings", "logprobs", "seed")] == ["passed"] * 3
+    # the drafter's distribution reported for a draft: not the target's (speculation off's), and a rejected
+    # draft's recovered token is not its top entry
+    assert checks["logprobs"]["verdict"] == "failed"
+    # none touches these: a stop string is cut from the text, and a seeded reply is not cut
+    assert [checks[name]["verdict"] for name in ("stop strings", "seed")] == ["passed"] * 2
     report = json.loads(result.stdout)
     # (with a reference, the reference sweep fails too: the battery's greedy output runs on past an end-of-sequence
     # token accepted inside a run)
     errors = [f for f in report["findings"] if f["severity"] == "error" and f["check"] == "probe.api"]
-    assert [f["message"].split(":")[0] for f in errors] == ["max_tokens mid-run", "stop token ids"]
+    named = [f["message"].split(":")[0] for f in errors]
+    # with a reference, min_tokens and the penalties too: their replies run past a stop id accepted inside a run, or
+    # past 48 tokens, where speculation off's end (the evidence names the token)
+    assert named[:3] == ["max_tokens mid-run", "stop token ids", "logprobs"] or reference
+    assert {"max_tokens mid-run", "stop token ids", "logprobs"} <= set(named)
     assert all(f["hint"] for f in errors)
 
 

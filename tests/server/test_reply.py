@@ -18,6 +18,7 @@ import torch
 
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import load_codec
+from specdoctor.runtime.decode.adjustments import LogitAdjustments
 from specdoctor.runtime.decode.continuous import RowUpdate
 from specdoctor.runtime.decode.logprobs import emitted_logprobs
 from specdoctor.runtime.decode.metrics import SpecMetrics
@@ -27,7 +28,7 @@ from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest
 from specdoctor.server.reply import Reply, token_logprobs
 from specdoctor.server.scheduler import ContinuousScheduler, Job
-from specdoctor.server.text import apply_stop
+from specdoctor.server.text import StreamedText, apply_stop
 from tests.server.test_scheduler import BatchEngine
 
 CODEC = load_codec(Checkpoint("demo"), None, needed_for="the test")
@@ -70,6 +71,28 @@ def completing_token(tokens: list[int], stops: list[str]) -> int:
 )
 def test_apply_stop_cuts_at_the_stop_string_that_completes_first(text, stops, expected):
     assert apply_stop(text, stops) == expected
+
+
+@pytest.mark.parametrize(
+    "min_tokens, kept",
+    [
+        (0, "def read_config(path):"),
+        (7, "def read_config(path):"),  # the stop begins where the first 7 tokens' text ends: it counts
+        (8, "def read_config(path):\n    return 1"),  # the 8th token holds the first newline: the second counts
+        (11, None),  # every token within min_tokens: no stop
+    ],
+)
+def test_a_stop_string_counts_only_where_it_ends_past_the_first_min_tokens_tokens(min_tokens, kept):
+    """vLLM looks for stop strings only where they end in the text after the first min_tokens tokens: streamed a
+    token at a time and whole, the same cut."""
+    expected = (TEXT, False) if kept is None else (kept, True)
+    streamed = StreamedText(CODEC, ["\n"], min_tokens)
+    for end in range(1, len(TOKENS) + 1):
+        streamed.feed(TOKENS[:end])
+    assert (streamed.ready() if streamed.stopped else streamed.text, streamed.stopped) == expected
+    job = Job(SequenceRequest(PROMPT, 16, adjustments=LogitAdjustments(min_tokens=min_tokens)))
+    reply = Reply(server_state(), CompletionRequest(prompt="x", stop=["\n"], min_tokens=min_tokens), [job], False)
+    assert reply.cut(TOKENS) == expected
 
 
 @pytest.mark.parametrize(

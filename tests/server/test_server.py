@@ -271,6 +271,11 @@ def test_token_id_prompts_n_choices_usage_and_max_completion_tokens(server):
         ({"prompt": "x", "stop": ["END", ""]}, 400, "stop"),
         ({"max_tokens": 4}, 400, "prompt"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),  # vLLM's bounds: [-2, 2]
+        ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),  # > 0
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+        ({"prompt": "x", "logit_bias": {"a token": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias"),  # outside the vocabulary
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_survives(server, body, status, param):
@@ -292,10 +297,8 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(server, body, st
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("completions", "presence_penalty", 0.5),
-        ("completions", "repetition_penalty", 1.2),
-        ("completions", "logit_bias", {"5": 100}),
-        ("completions", "min_tokens", 8),
+        ("completions", "min_p", 0.1),
+        ("completions", "bad_words", ["def"]),
         ("completions", "echo", True),
         ("chat/completions", "response_format", {"type": "json_object"}),
         ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -16,6 +16,7 @@ from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.prefix import BLOCK_SIZE, block_hashes
 from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.comm import PipelineComm
+from specdoctor.runtime.decode.adjustments import adjusted_logits
 from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel, pad_right, pipeline_pass
@@ -106,7 +107,7 @@ class BatchState:
             rows, last = torch.arange(batch, device=model.device), computed - 1
             final = model.stage.model.norm(hidden)  # [B, T, H]: an MTP drafter is fed the final-normed states
             logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
-            first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
+            first = speculative_step(self.adjusted(logits, None), None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
             self.decision[:, :2] = first
             self.note_logprobs(logits)
@@ -141,18 +142,35 @@ class BatchState:
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
             features = model.drafter_features(tokens, final, taps)  # what the drafter reads
+            reported = self.reported_logits(logits) if speculate else logits  # before the next proposal
             if speculate:
-                self.decision = speculative_step(logits, features, positions, self.drafts, self.sampler, propose_next)
+                chosen_from = self.adjusted(logits, decision[:, k + 2 :])
+                drafts, sampler = self.drafts, self.sampler
+                self.decision = speculative_step(chosen_from, features, positions, drafts, sampler, propose_next)
             else:
                 self.decision = self.plain_decision(logits, features, positions, propose_next)
-            self.note_logprobs(logits)
+            self.note_logprobs(reported)
         model.comm.broadcast_from_last(self.decision)
         self.stepped_speculatively = speculate
         finish_device_work(model.device)
 
+    def adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """The logits each row's tokens are chosen from: its penalties, logit_bias and min_tokens applied
+        (runtime/decode/adjustments.py); `drafts` [B, k]: those verified at positions 1..k (None: plain)."""
+        faulty = self.model.faults.penalties_per_step
+        return adjusted_logits(logits, self.sequences, self.result.tokens, drafts, per_step=faulty)
+
+    def reported_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits a speculative step's log-probabilities are read from: the target's; with --fault
+        logprobs-of-draft, the drafter's at the drafts' positions (what proposed them), the target's after."""
+        drafted = self.drafts.kept_logits if self.drafts else None
+        if drafted is None or drafted.shape[-1] != logits.shape[-1]:
+            return logits
+        return torch.cat([drafted.to(logits.dtype), logits[:, drafted.shape[1] :]], dim=1)
+
     def plain_decision(self, logits, features, positions, propose: bool) -> torch.Tensor:
         """A plain step's decision: none accepted, the next token, and the drafts from it (or none)."""
-        first = speculative_step(logits, None, None, None, self.sampler)  # [B, 2]
+        first = speculative_step(self.adjusted(logits, None), None, None, None, self.sampler)  # [B, 2]
         decision = torch.full_like(self.decision, PLACEHOLDER)
         decision[:, :2] = first
         if self.drafts:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
+from specdoctor.runtime.decode.adjustments import LogitAdjustments
 from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
@@ -23,6 +24,7 @@ class SequenceRequest:
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
+    adjustments: LogitAdjustments = LogitAdjustments()  # penalties, logit_bias, min_tokens
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,29 @@ def validate_sequences(sequences: list[SequenceRequest], k: int, cfg: ModelConfi
     if min(s.max_new_tokens for s in sequences) < 1:
         raise SpecdoctorError("max_new_tokens must be at least 1, one limit per prompt")
     validate_speculative_tokens(k, speculates)
+    for s in sequences:
+        validate_adjustments(s, cfg.vocab_size)
     longest = max(len(s.prompt) + s.max_new_tokens for s in sequences)
     if longest > cfg.max_position_embeddings:
         raise SpecdoctorError(
             f"prompt + max_new_tokens = {longest} exceeds the context of {cfg.max_position_embeddings}"
         )
+
+
+def validate_adjustments(sequence: SequenceRequest, vocab: int) -> None:
+    """vLLM's bounds (its SamplingParams' validation)."""
+    wanted = sequence.adjustments
+    if not 0 <= wanted.min_tokens <= sequence.max_new_tokens:
+        limit = sequence.max_new_tokens
+        raise SpecdoctorError(f"min_tokens must be in 0..max_tokens ({limit}), got {wanted.min_tokens}")
+    if not wanted.repetition_penalty > 0 or wanted.repetition_penalty == float("inf"):
+        raise SpecdoctorError(f"repetition_penalty must be a finite number > 0, got {wanted.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= getattr(wanted, name) <= 2:
+            raise SpecdoctorError(f"{name} must be in [-2, 2], got {getattr(wanted, name)}")
+    outside = [token for token, _ in wanted.logit_bias if not 0 <= token < vocab]
+    if outside:
+        raise SpecdoctorError(f"logit_bias names token ids outside the vocabulary of {vocab}: {outside[:5]}")
 
 
 def validate_speculative_tokens(k: int, speculates: bool) -> None:

@@ -43,6 +43,7 @@ class Drafts:
         self.seconds = 0.0  # time spent proposing, for the step profile
         self.stale_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # --fault stale-batch-rows
         self.decoding = False  # past the prompt pass's proposal (a regrouped batch is)
+        self.kept_logits: torch.Tensor | None = None  # [B, k, V] the drafts' logits (--fault logprobs-of-draft)
 
     def propose(
         self,
@@ -58,21 +59,27 @@ class Drafts:
             next_tokens, features = self._stale_rows(next_tokens, features)
         if self.past_dummy_limit(positions, base):
             self._dummy(next_tokens.shape[0], next_tokens.device)  # vLLM's length gate: the drafter does not run
-        elif self.sampler.all_greedy and isinstance(self.drafter.greedy_chain, LayerGraphs):
+        elif (
+            self.sampler.all_greedy
+            and isinstance(self.drafter.greedy_chain, LayerGraphs)
+            and not self.faults.logprobs_of_draft
+        ):
             # Every draft an argmax, the chain compiled: one graph for the whole chain (runtime/compile.py).
             self.tokens = self.drafter.greedy_drafts(next_tokens, features, positions, base, self.cache, self.k)
             self.probs = None
         else:
             chain = self.drafter.draft(next_tokens, features, positions, base, self.cache, self.k)
             logits = next(chain)
-            tokens, probs = [], []
+            tokens, probs, kept = [], [], []
             for step in range(self.k):
                 token, q = self._pick(logits)  # [B], [B, V] or None
                 tokens.append(token)
                 probs.append(q)
+                kept.append(logits)
                 if step + 1 < self.k:
                     logits = chain.send(token)
             self.tokens = torch.stack(tokens, dim=1)
+            self.kept_logits = torch.stack(kept, dim=1) if self.faults.logprobs_of_draft else None
             self.probs = None if self.sampler.all_greedy else torch.stack(probs, dim=1)
         finish_device_work(self.tokens.device)
         self.seconds += time.perf_counter() - start
@@ -109,6 +116,7 @@ class Drafts:
         """DUMMY_DRAFT at every position of every row (no q: verified as one-hot, as greedy drafts are)."""
         self.tokens = torch.full((batch, self.k), DUMMY_DRAFT, dtype=torch.long, device=device)
         self.probs = None
+        self.kept_logits = None
 
     def _stale_rows(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows after the first keep reading the input (tokens and features) of the first decode step this batch
