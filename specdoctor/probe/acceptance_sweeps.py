@@ -177,7 +177,9 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     return sweep
 
 
-def prefix_prompt_tokens(probe: Probe, served: Served, options: SweepOptions, per_token: float):
+def prefix_prompt_tokens(
+    probe: Probe, served: Served, options: SweepOptions, per_token: float
+) -> tuple[int, float] | str:
     """The sweep's prompts' length in tokens and a first guess at the characters per token: PREFIX_OVER past the
     shortest of PREFIX_START tokens, doubling, up to what the server takes, whose resend finds PREFIX_FIND_SHARE of
     its tokens in the cache; or why there is none. Each try's reply counts its tokens, and the next try is cut by
@@ -223,7 +225,7 @@ def sized_prompts(probe: Probe, served: Served, count: int, tokens: int, per_tok
         trial = [f"# {scratch} {i}\n" + corpus_prompt(i, size) for i, size in enumerate(chars)]
         replies = probe.complete_all(served.model, trial, PREFIX_SIZING_CONCURRENCY, max_tokens=1)
         measured = [(reply.get("usage") or {}).get("prompt_tokens") for reply in replies]
-        missing = [i for i, got in enumerate(measured) if not isinstance(got, int)]
+        missing = [i for i, got in enumerate(measured) if not isinstance(got, int) or got <= 0]
         if missing:
             why = replies[missing[0]].get("error", replies[missing[0]])
             return f"prompt {missing[0]}, sent to count its tokens, got no usage.prompt_tokens: {why}"

@@ -28,6 +28,7 @@ PENALTIES = {
     "frequency_penalty": 1.0,
     "repetition_penalty": 1.5,  # vLLM's and SGLang's extension
 }
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 PENALTY_TOPS = 20  # top entries a penalty's reply carries: its self-check's candidates (vLLM's --max-logprobs)
 SHIFT_PENALTIES = ("presence_penalty", "frequency_penalty")  # subtracted from logits: checkable on log-probabilities
 MIN_TOKENS_PAST = 3  # min_tokens this far past where the plain output meets the stop id asked for
@@ -56,6 +57,11 @@ HINTS = {
     "penalties": (
         "penalties must act per accepted token at verification (TRT-LLM#17701, sglang#33643: ignored with MTP, or "
         "applied once per step): compare with speculation off"
+    ),
+    "structured": (
+        "a reply under response_format breaks its schema, or differs with speculation or batching: the grammar's "
+        "bitmask must be applied at every draft position and its matcher rolled back after a rejection (vllm#44006, "
+        "#48228; sglang#9187): look where the structured-output bitmask meets the drafts"
     ),
     "seed": "a seeded request must be reproducible: the drafter's or verifier's noise is not drawn from the seed",
 }
@@ -93,11 +99,17 @@ class Asker:
 
     @staticmethod
     def body(prompt, fields: dict) -> tuple:
-        return prompt, {"max_tokens": API_TOKENS, "logprobs": LOGPROBS, "return_tokens_as_token_ids": True} | fields
+        """A request's prompt and fields: the penalties pinned neutral unless asked for (an engine may apply a
+        model's generation-config defaults, which the checks would take for the field's effect)."""
+        return prompt, NEUTRAL | {
+            "max_tokens": API_TOKENS,
+            "logprobs": LOGPROBS,
+            "return_tokens_as_token_ids": True,
+        } | fields
 
-    def ask(self, requests: list[tuple], reference: bool = False) -> list[dict]:
+    def ask(self, requests: list[tuple], reference: bool = False, concurrency: int = API_CONCURRENCY) -> list[dict]:
         probe, model = (self.reference, self.reference_model) if reference else (self.probe, self.model)
-        with ThreadPoolExecutor(API_CONCURRENCY) as pool:
+        with ThreadPoolExecutor(concurrency) as pool:
             return list(pool.map(lambda request: probe.complete(model, request[0], **request[1]), requests))
 
     def plain(self, prompts: list) -> Plain | str:

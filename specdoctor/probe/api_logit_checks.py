@@ -9,6 +9,7 @@ from collections import Counter
 from specdoctor.probe.api_common import (
     BIAS,
     BIAS_TOKENS,
+    FAILED,
     NOT_RUN,
     PENALTY_TOPS,
     RESENT_POSITIONS,
@@ -121,15 +122,23 @@ def penalty_check(
     if any(refused(reply) for reply in theirs):
         reason = next(reply["error"] for reply in theirs if refused(reply))
         return ApiCheck(label, "penalties", len(replies), NOT_RUN, f"the reference refuses it: {reason[:160]}")
-    cases = []
+    cases, undecided = [], []
     for p, (reply, reference) in enumerate(zip(replies, theirs, strict=True)):
         if "error" in reply or "error" in reference:
             cases.append((f"prompt {p + 1}", reply.get("error") or f"the reference: {reference['error']}"))
             continue
         found = penalised_gap(reply, reference, name, value)
-        wrong = None if found is None or found[1] <= TIE_MARGIN else f"differs from speculation off at token {found[0]}"
-        cases.append((f"prompt {p + 1}", wrong))
-    return verdict_of(label, "penalties", cases)
+        if found is not None and found[1] is None:
+            undecided.append(f"prompt {p + 1} parts from speculation off at token {found[0]}")
+        wrong = found is not None and found[1] is not None and found[1] > TIE_MARGIN
+        cases.append((f"prompt {p + 1}", f"differs from speculation off at token {found[0]}" if wrong else None))
+    checked = verdict_of(label, "penalties", cases)
+    if undecided and checked.verdict != FAILED:
+        why = (
+            f"{undecided[0]}, where the penalty's scores cannot be read from log-probabilities ({len(undecided)} such)"
+        )
+        return ApiCheck(label, "penalties", len(replies), NOT_RUN, why)
+    return checked
 
 
 def top_entries(reply: dict, index: int) -> dict[int, float]:
@@ -145,23 +154,26 @@ def shift(name: str, value: float, seen: Counter, token: int) -> float:
     return value * (seen[token] if name == "frequency_penalty" else min(1, seen[token]))
 
 
-def penalised_gap(reply: dict, reference: dict, name: str, value: float) -> tuple[int, float] | None:
+def penalised_gap(reply: dict, reference: dict, name: str, value: float) -> tuple[int, float | None] | None:
     """Where the reply parts from the reference's reply (None: nowhere), and the reference's margin there between
     its token and the reply's as the penalty scores them: the tie rule on the scores the choice was made from (a
-    raw gap says nothing of them). Inf where they cannot be scored: a token outside the top entries, or one the
-    repetition penalty scales (it divides or multiplies a logit, which log-probabilities do not show)."""
+    raw gap says nothing of them). A reply token outside the top entries scores at most the lowest entry's raw
+    value, penalised. None where the margin cannot be read: the reference's own token outside its top entries, or a
+    token the repetition penalty scales (it divides or multiplies a logit, which log-probabilities do not show)."""
     ours, theirs = output_ids(reply) or [], output_ids(reference) or []
     if ours == theirs or ends_alike(reply, reference):
         return None
     index = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
-    top = top_entries(reference, index)
-    if index >= min(len(ours), len(theirs)) or ours[index] not in top or theirs[index] not in top:
-        return index, math.inf
-    mine, due, seen = ours[index], theirs[index], Counter(theirs[:index])
+    if index >= min(len(ours), len(theirs)):
+        return index, math.inf  # one ends where the other goes on
+    top, mine, due, seen = top_entries(reference, index), ours[index], theirs[index], Counter(theirs[:index])
+    if due not in top:
+        return index, None
     if name == "repetition_penalty":
         scaled = set(first_choice(reference).get("prompt_token_ids") or []) | set(seen)
-        return index, math.inf if {mine, due} & scaled else top[due] - top[mine]
-    return index, (top[due] - shift(name, value, seen, due)) - (top[mine] - shift(name, value, seen, mine))
+        return index, None if {mine, due} & scaled or mine not in top else top[due] - top[mine]
+    mine_at_most = top.get(mine, min(top.values())) - shift(name, value, seen, mine)
+    return index, top[due] - shift(name, value, seen, due) - mine_at_most
 
 
 def own_penalty_check(

@@ -128,14 +128,10 @@ def min_tokens_check(asker: Asker, prompts: list, plain: Plain) -> ApiCheck:
 
 
 def min_tokens_mismatch(reply: dict, reference: dict | None, plain: dict, stop_at: int, stop_id: int) -> str | None:
+    """The rules that follow from the plain output, then (with a reference) the reference's reply: a parting at the
+    stop id is never a tie (the id is masked, so its raw log-probability says nothing)."""
     if "error" in reply:
         return reply["error"]
-    if reference is not None:
-        if "error" in reference:
-            return f"the reference: {reference['error']}"
-        found = None if ends_alike(reply, reference) else divergence(reply, reference)
-        parted = found is not None and found["gap"] > TIE_MARGIN
-        return f"differs from speculation off at token {found['index']}" if parted else None
     ids, least = output_ids(reply) or [], stop_at + MIN_TOKENS_PAST
     if ids[:stop_at] != output_ids(plain)[:stop_at] and not tie_before(reply, plain, stop_at):
         return f"its first {stop_at} tokens are not the plain output's (the stop id masks nothing there)"
@@ -143,7 +139,16 @@ def min_tokens_mismatch(reply: dict, reference: dict | None, plain: dict, stop_a
         return f"{len(ids)} tokens where min_tokens asked for {least}"
     if stop_id in ids[:least]:
         return f"the stop id {stop_id} at token {ids.index(stop_id)}, before min_tokens {least}"
-    return None
+    if reference is None:
+        return None
+    if "error" in reference:
+        return f"the reference: {reference['error']}"
+    found = None if ends_alike(reply, reference) else divergence(reply, reference)
+    if found is None:
+        return None
+    at = found["index"]
+    at_stop = stop_id in (ids[at : at + 1] + (output_ids(reference) or [])[at : at + 1])
+    return f"differs from speculation off at token {at}" if at_stop or found["gap"] > TIE_MARGIN else None
 
 
 def seed_check(asker: Asker, prompts: list) -> ApiCheck:

@@ -21,6 +21,7 @@ from specdoctor.probe.api_output_checks import (
     stop_ids_check,
     stop_string_check,
 )
+from specdoctor.probe.api_structured_checks import structured_checks
 from specdoctor.probe.client import Probe, Served
 from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.verdicts import not_run, sweep_of
@@ -44,6 +45,7 @@ def api_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list
         logprobs,
         logit_bias_check(asker, prompts, plain),
         *(penalty_check(asker, battery, plain, name, value, trusted) for name, value in PENALTIES.items()),
+        *structured_checks(asker, prompts),
         seed_check(asker, prompts),
     ]
     findings = [

@@ -22,7 +22,8 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
                            and past a stop token in it, leak into the output (sglang#33758)
   penalties-per-step       repetition, frequency and presence penalties at every verified position counted from the
                            output committed before the step, not from the drafts accepted before it (sglang#33643's
-                           class): an accepted run is penalised as one token, and the output is not plain decoding's
+                           class): a token repeated inside an accepted run goes unpenalised, so the output is not
+                           plain decoding's
   logprobs-of-draft        the log-probabilities reported for an accepted draft are the drafter's distribution at
                            that position, not the target's (vllm#34497's class)
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter

@@ -160,6 +160,9 @@ def make_jobs(
     body.refuse_unimplemented()
     if not state.engine.alive:
         raise RequestError("the pipeline is down: a rank has died", status=503, kind="server_error")
+    vocab = state.engine.config.vocab_size
+    if any(not 0 <= token < vocab for token in body.stop_token_ids or ()):
+        raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
     logprobs = body.logprob_count()
     jobs = []
@@ -172,7 +175,7 @@ def make_jobs(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens",
                 "max_tokens",
             )
-        adjustments = body.adjustments(state.engine.config.vocab_size, max_tokens)
+        adjustments = body.adjustments(vocab, max_tokens, limit_given=body.token_limit is not None)
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)

@@ -90,24 +90,30 @@ class SamplingFields(BaseModel):
             neutral = UNIMPLEMENTED_FIELDS.get(name)
             if neutral is not None and value is not None and value not in neutral:
                 values = " or ".join(repr(v) for v in neutral) or "null"
+                sent = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
                 raise RequestError(
-                    f"{name}={value!r} is not implemented by specdoctor serve and would change the output: "
-                    f"leave it out (or send {values})",
+                    f"{name} is not implemented by specdoctor serve and would change the output: leave it out (or "
+                    f"send {values}); sent {sent}",
                     name,
                 )
 
-    def adjustments(self, vocab: int, max_tokens: int) -> LogitAdjustments:
-        """The logit adjustments asked for, as vLLM reads them: biases clamped to [-100, 100]."""
+    def adjustments(self, vocab: int, max_tokens: int, limit_given: bool) -> LogitAdjustments:
+        """The logit adjustments asked for, as vLLM reads them: biases clamped to [-100, 100], the last of a token's
+        keys winning."""
         if self.min_tokens > max_tokens:
-            message = f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})"
-            raise RequestError(message, "min_tokens")
-        bias = []
+            limit = "max_tokens" if limit_given else "the room the context leaves (no max_tokens was sent)"
+            raise RequestError(f"min_tokens ({self.min_tokens}) must be at most {limit}: {max_tokens}", "min_tokens")
+        bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab:
                 raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
-            bias.append((int(key), min(100.0, max(-100.0, float(value)))))
+            bias[token] = min(100.0, max(-100.0, float(value)))
         return LogitAdjustments(
-            tuple(bias),
+            tuple(bias.items()),
             self.min_tokens,
             float(self.repetition_penalty),
             float(self.frequency_penalty),

@@ -83,8 +83,11 @@ class SpecdoctorServer:
             self.process.wait(timeout=60)
 
 
-def probe(url: str, *args: str) -> subprocess.CompletedProcess:
+def probe(url: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`specdoctor probe --url URL ARGS`, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "specdoctor", "probe", "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

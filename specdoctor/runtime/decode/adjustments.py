@@ -25,10 +25,10 @@ class LogitAdjustments:
 
 
 def adjusted_logits(
-    logits: torch.Tensor,  # [B, T, V]: position j's token follows the row's output and its first j drafts
+    logits: torch.Tensor,  # [B, T, V]: position j chooses the token after the row's output and its first j drafts
     sequences: list,  # each row's SequenceRequest
     outputs: list[list[int]],  # each row's committed output tokens
-    drafts: torch.Tensor | None,  # [B, T - 1] the drafts verified at positions 1..T-1 (None: T is 1)
+    drafts: torch.Tensor | None,  # [B, T - 1] the drafts this step verifies (None: T is 1, a plain step)
     per_step: bool = False,  # --fault penalties-per-step: every position adjusted for the committed output alone
 ) -> torch.Tensor:
     """The logits a row's token is chosen from; the same tensor where no row asks for an adjustment."""
@@ -54,8 +54,8 @@ def adjust_row(logits: torch.Tensor, sequence, follows: list[list[int]]) -> None
         logits[torch.tensor(short, device=device)[:, None], torch.tensor(sequence.stop_token_ids, device=device)] = (
             float("-inf")
         )
-    counts = torch.stack([torch.bincount(torch.tensor(f, dtype=torch.long), minlength=vocab) for f in follows])
-    counts = counts.to(device=device, dtype=logits.dtype)  # [T, V]
+    ids = [torch.tensor(output, dtype=torch.long, device=device) for output in follows]
+    counts = torch.stack([torch.bincount(row, minlength=vocab) for row in ids]).to(logits.dtype)  # [T, V]
     if wanted.repetition_penalty != 1.0:
         prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         prompt[torch.tensor(sequence.prompt, device=device)] = True

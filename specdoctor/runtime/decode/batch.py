@@ -156,7 +156,7 @@ class BatchState:
 
     def adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
         """The logits each row's tokens are chosen from: its penalties, logit_bias and min_tokens applied
-        (runtime/decode/adjustments.py); `drafts` [B, k]: those verified at positions 1..k (None: plain)."""
+        (runtime/decode/adjustments.py); `drafts` [B, k]: those this step verifies (None: a plain step)."""
         faulty = self.model.faults.penalties_per_step
         return adjusted_logits(logits, self.sequences, self.result.tokens, drafts, per_step=faulty)
 

@@ -108,9 +108,10 @@ def validate_adjustments(sequence: SequenceRequest, vocab: int) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2 <= getattr(wanted, name) <= 2:
             raise SpecdoctorError(f"{name} must be in [-2, 2], got {getattr(wanted, name)}")
-    outside = [token for token, _ in wanted.logit_bias if not 0 <= token < vocab]
-    if outside:
-        raise SpecdoctorError(f"logit_bias names token ids outside the vocabulary of {vocab}: {outside[:5]}")
+    for name, ids in (("logit_bias", [token for token, _ in wanted.logit_bias]), ("stop", sequence.stop_token_ids)):
+        outside = [token for token in ids if not 0 <= token < vocab]
+        if outside:
+            raise SpecdoctorError(f"{name} names token ids outside the vocabulary of {vocab}: {outside[:5]}")
 
 
 def validate_speculative_tokens(k: int, speculates: bool) -> None:

@@ -1,0 +1,117 @@
+"""The API sweep's structured-output checks: `response_format` `json_schema` and `json_object`, each at concurrency
+1 and API_CONCURRENCY. A reply that finished ("stop") must be JSON, and valid against the schema; greedy, the two
+concurrencies must give the same replies, and with a reference the reference's. A reply cut by max_tokens is not
+judged (a grammar may let a model write whitespace until it runs out), and where none finished the check is not
+run."""
+
+from __future__ import annotations
+
+import json
+
+from specdoctor.probe.api_common import (
+    API_CONCURRENCY,
+    NOT_RUN,
+    ApiCheck,
+    Asker,
+    ends_alike,
+    finish_of,
+    refused,
+    refused_check,
+    verdict_of,
+)
+from specdoctor.probe.output_sweeps import TIE_MARGIN, divergence, output_text
+
+STRUCTURED_TOKENS = 64
+# Small and closed, so that a reply can finish well inside STRUCTURED_TOKENS.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer"},
+    },
+    "required": ["ok", "tag", "n"],
+    "additionalProperties": False,
+}
+FORMATS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "specdoctor_probe", "schema": SCHEMA}},
+    "json_object": {"type": "json_object"},
+}
+TYPES = {"boolean": bool, "integer": int, "object": dict}
+
+
+def structured_checks(asker: Asker, prompts: list) -> list[ApiCheck]:
+    return [structured_check(asker, prompts, name, response_format) for name, response_format in FORMATS.items()]
+
+
+def structured_check(asker: Asker, prompts: list, name: str, response_format: dict) -> ApiCheck:
+    label = f"response_format {name}"
+    requests = [
+        asker.body(prompt, {"response_format": response_format, "max_tokens": STRUCTURED_TOKENS}) for prompt in prompts
+    ]
+    batched = asker.ask(requests)
+    if refusal := refused_check(label, "structured", batched):
+        return refusal
+    theirs = asker.ask(requests, reference=True) if asker.reference else [None] * len(requests)
+    uncompared = any(reply is not None and refused(reply) for reply in theirs)
+    if uncompared:  # its own rules still hold: JSON, the schema, alone as in a batch
+        theirs = [None] * len(requests)
+    alone = asker.ask(requests, concurrency=1)
+    schema = SCHEMA if name == "json_schema" else None
+    cases, finished = [], 0
+    for p, (reply, solo, reference) in enumerate(zip(batched, alone, theirs, strict=True)):
+        for where, one in ((f"{API_CONCURRENCY} in flight", reply), ("alone", solo)):
+            finished += finish_of(one) == "stop"
+            cases.append((f"prompt {p + 1}, {where}", structured_mismatch(one, schema)))
+        cases.append((f"prompt {p + 1}, alone against {API_CONCURRENCY} in flight", parted(solo, reply)))
+        if reference is not None:
+            cases.append((f"prompt {p + 1}, against speculation off", parted(reply, reference)))
+    if not finished and not any(why for _, why in cases):
+        why = f"no reply finished within {STRUCTURED_TOKENS} tokens (the model wrote whitespace or ran on)"
+        return ApiCheck(label, "structured", len(requests) * 2, NOT_RUN, why)
+    checked = verdict_of(label, "structured", cases)
+    if uncompared:
+        checked.evidence += "; not compared with speculation off: the reference refuses it"
+    return checked
+
+
+def parted(reply: dict, other: dict) -> str | None:
+    """Why two greedy replies to the same request differ (past a near tie), or None."""
+    if "error" in reply or "error" in other:
+        return reply.get("error") or other["error"]
+    found = None if ends_alike(reply, other) else divergence(reply, other)
+    return None if found is None or found["gap"] <= TIE_MARGIN else f"the replies part at token {found['index']}"
+
+
+def structured_mismatch(reply: dict, schema: dict | None) -> str | None:
+    """Why a finished reply breaks its format (JSON, and the schema where there is one), or None; a reply cut by
+    max_tokens is not judged."""
+    if "error" in reply:
+        return reply["error"]
+    if finish_of(reply) != "stop":
+        return None
+    text = output_text(reply)
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        return f"not JSON ({err}): {text[:80]!r}"
+    return None if schema is None else schema_violation(value, schema)
+
+
+def schema_violation(value, schema: dict) -> str | None:
+    """How a JSON value breaks SCHEMA's kind of schema (an object of required, typed or enumerated properties, no
+    others), or None."""
+    if "enum" in schema:
+        return None if value in schema["enum"] else f"{value!r} is not one of {schema['enum']}"
+    kind = TYPES[schema["type"]]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        return f"{value!r} is not a {schema['type']}"
+    if kind is not dict:
+        return None
+    missing = [key for key in schema.get("required", []) if key not in value]
+    extra = [key for key in value if key not in schema["properties"]]
+    if missing or (extra and schema.get("additionalProperties") is False):
+        return f"properties missing {missing}, not allowed {extra}"
+    return next(
+        (why for key, item in value.items() if (why := schema_violation(item, schema["properties"][key]))), None
+    )
