@@ -105,7 +105,7 @@ def schema_violation(value, schema: dict) -> str | None:
         return None if value in schema["enum"] else f"{value!r} is not one of {schema['enum']}"
     kind = TYPES[schema["type"]]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        return f"{value!r} is not a {schema['type']}"
+        return f"{value!r} is not of type {schema['type']}"
     if kind is not dict:
         return None
     missing = [key for key in schema.get("required", []) if key not in value]

@@ -10,6 +10,7 @@ import pytest
 
 from specdoctor.probe.api_common import cut_mismatch, tie_before
 from specdoctor.probe.api_output_checks import stop_at
+from specdoctor.probe.api_structured_checks import SCHEMA, structured_mismatch
 from specdoctor.probe.output_sweeps import TIE_MARGIN
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import probe
@@ -166,3 +167,23 @@ def test_a_stop_string_begins_where_it_is_first_found():
     assert stop_at("abcdabcdXYZW tail", 0.25) == ("bcdX", 5)  # "abcd" at 4 occurs earlier: skipped
     assert stop_at("    abc", 0.0) == ("   a", 1)  # whitespace alone is no stop string
     assert stop_at("abcdabcd", 0.5) is None  # nothing at or after the middle occurs first there
+
+
+@pytest.mark.parametrize(
+    "text, finish, wrong",
+    [
+        ('{"ok": true, "tag": "red", "n": 3}', "stop", None),
+        ('{"ok": 1, "tag": "red", "n": 3}', "stop", "1 is not of type boolean"),
+        ('{"ok": true, "tag": "pink", "n": 3}', "stop", "'pink' is not one of"),
+        ('{"ok": true, "tag": "red", "n": true}', "stop", "True is not of type integer"),  # JSON's true is no integer
+        ('{"ok": true, "tag": "red"}', "stop", "properties missing ['n']"),
+        ('{"ok": true, "tag": "red", "n": 3, "x": 0}', "stop", "not allowed ['x']"),
+        ('{"ok": true, "tag"', "stop", "not JSON"),
+        ('{"ok": true, "tag"', "length", None),  # cut by max_tokens: not judged
+    ],
+)
+def test_a_finished_structured_reply_is_json_valid_against_its_schema(text, finish, wrong):
+    found = structured_mismatch({"choices": [{"text": text, "finish_reason": finish}]}, SCHEMA)
+    assert found == wrong if wrong is None else wrong in found
+    if finish == "stop" and wrong is None:  # json_object asks for JSON alone
+        assert structured_mismatch({"choices": [{"text": "[1, 2]", "finish_reason": "stop"}]}, None) is None
