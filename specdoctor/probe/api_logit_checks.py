@@ -43,8 +43,11 @@ def logprobs_check(asker: Asker, plain: Plain) -> ApiCheck:
         )
     if values and all(value == 0.0 for value in values):
         cases.append(("every prompt", f"all {len(values)} log-probabilities are 0.0"))
-    cases += resent_cases(asker, plain)
-    return verdict_of("logprobs", "logprobs", cases)
+    resent = resent_cases(asker, plain)
+    checked = verdict_of("logprobs", "logprobs", cases + resent)
+    if not resent:  # the values are then checked only against each other (and the reference's)
+        checked.evidence += "; no position resent as a prompt's next token: the server names no prompt_token_ids"
+    return checked
 
 
 def resent_cases(asker: Asker, plain: Plain) -> list[tuple[str, str | None]]:
