@@ -133,13 +133,14 @@ def refused(reply: dict) -> bool:
     return "error" in reply and any(f"answered {code}" in reply["error"] for code in (400, 422))
 
 
-def refused_check(name: str, family: str, replies: list[dict]) -> ApiCheck | None:
-    """The check not run where the server refused a request as one it does not support, with its reason."""
+def refused_check(name: str, family: str, replies: list[dict], whose: str = "server") -> ApiCheck | None:
+    """The check not run where the server (or the reference) refused a request as one it does not support, with
+    its reason."""
     reason = next((reply["error"] for reply in replies if refused(reply)), None)
     return (
         None
         if reason is None
-        else ApiCheck(name, family, len(replies), NOT_RUN, f"the server refuses it: {reason[:160]}")
+        else ApiCheck(name, family, len(replies), NOT_RUN, f"the {whose} refuses it: {reason[:160]}")
     )
 
 
@@ -150,6 +151,12 @@ def ends_alike(reply: dict, reference: dict) -> bool:
     shorter, longer = sorted((ours, theirs), key=len)
     stopped = finish_of(reply) == finish_of(reference) == "stop"
     return stopped and len(longer) == len(shorter) + 1 and longer[:-1] == shorter
+
+
+def parting(reply: dict, other: dict) -> dict | None:
+    """Where two greedy replies first differ (output_sweeps.divergence, with the gap there), None where they do
+    not, nor only by a named stop token (ends_alike)."""
+    return None if ends_alike(reply, other) else divergence(reply, other)
 
 
 def tie_before(reply: dict, plain: dict, end: int) -> bool:

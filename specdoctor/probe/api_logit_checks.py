@@ -17,8 +17,7 @@ from specdoctor.probe.api_common import (
     ApiCheck,
     Asker,
     Plain,
-    ends_alike,
-    refused,
+    parting,
     refused_check,
     verdict_of,
 )
@@ -122,9 +121,8 @@ def penalty_check(
     if not asker.reference:
         return own_penalty_check(label, name, value, replies, plain, logprobs_trusted)
     theirs = asker.ask(requests, reference=True)
-    if any(refused(reply) for reply in theirs):
-        reason = next(reply["error"] for reply in theirs if refused(reply))
-        return ApiCheck(label, "penalties", len(replies), NOT_RUN, f"the reference refuses it: {reason[:160]}")
+    if refusal := refused_check(label, "penalties", theirs, "reference"):
+        return refusal
     cases, undecided = [], []
     for p, (reply, reference) in enumerate(zip(replies, theirs, strict=True)):
         if "error" in reply or "error" in reference:
@@ -163,10 +161,10 @@ def penalised_gap(reply: dict, reference: dict, name: str, value: float) -> tupl
     raw gap says nothing of them). A reply token outside the top entries scores at most the lowest entry's raw
     value, penalised. None where the margin cannot be read: the reference's own token outside its top entries, or a
     token the repetition penalty scales (it divides or multiplies a logit, which log-probabilities do not show)."""
-    ours, theirs = output_ids(reply) or [], output_ids(reference) or []
-    if ours == theirs or ends_alike(reply, reference):
+    found = parting(reply, reference)
+    if found is None:
         return None
-    index = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    ours, theirs, index = output_ids(reply) or [], output_ids(reference) or [], found["index"]
     if index >= min(len(ours), len(theirs)):
         return index, math.inf  # one ends where the other goes on
     top, mine, due, seen = top_entries(reference, index), ours[index], theirs[index], Counter(theirs[:index])

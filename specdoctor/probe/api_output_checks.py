@@ -17,13 +17,13 @@ from specdoctor.probe.api_common import (
     Asker,
     Plain,
     cut_mismatch,
-    ends_alike,
     finish_of,
+    parting,
     refused_check,
     tie_before,
     verdict_of,
 )
-from specdoctor.probe.output_sweeps import TIE_MARGIN, divergence, output_ids, output_text
+from specdoctor.probe.output_sweeps import TIE_MARGIN, output_ids, output_text
 
 
 def max_tokens_check(asker: Asker, prompts: list, plain: Plain) -> ApiCheck:
@@ -143,7 +143,7 @@ def min_tokens_mismatch(reply: dict, reference: dict | None, plain: dict, stop_a
         return None
     if "error" in reference:
         return f"the reference: {reference['error']}"
-    found = None if ends_alike(reply, reference) else divergence(reply, reference)
+    found = parting(reply, reference)
     if found is None:
         return None
     at = found["index"]

@@ -13,13 +13,13 @@ from specdoctor.probe.api_common import (
     NOT_RUN,
     ApiCheck,
     Asker,
-    ends_alike,
     finish_of,
+    parting,
     refused,
     refused_check,
     verdict_of,
 )
-from specdoctor.probe.output_sweeps import TIE_MARGIN, divergence, output_text
+from specdoctor.probe.output_sweeps import TIE_MARGIN, output_text
 
 STRUCTURED_TOKENS = 64
 # Small and closed, so that a reply can finish well inside STRUCTURED_TOKENS.
@@ -79,7 +79,7 @@ def parted(reply: dict, other: dict) -> str | None:
     """Why two greedy replies to the same request differ (past a near tie), or None."""
     if "error" in reply or "error" in other:
         return reply.get("error") or other["error"]
-    found = None if ends_alike(reply, other) else divergence(reply, other)
+    found = parting(reply, other)
     return None if found is None or found["gap"] <= TIE_MARGIN else f"the replies part at token {found['index']}"
 
 

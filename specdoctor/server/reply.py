@@ -22,7 +22,7 @@ class Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
-        self.min_tokens = jobs[0].sequence.adjustments.min_tokens if jobs else 0
+        self.min_tokens = body.min_tokens
         self.texts = {job.id: StreamedText(state.codec, self.stops, self.min_tokens) for job in jobs}
         for job in jobs:
             job.should_stop = self.texts[job.id].feed if self.stops else None

@@ -311,7 +311,8 @@ def test_a_field_that_would_change_the_output_and_is_not_implemented_is_refused(
     request |= {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
     refused = httpx.post(f"{server.url}/v1/{path}", json={**request, field: value}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == field
-    assert refused.json()["error"]["message"].startswith(f"{field} is not implemented")
+    message = refused.json()["error"]["message"]
+    assert message.startswith(f"{field} is not implemented") and message.endswith(f"sent {value!r}")
     neutral = UNIMPLEMENTED_FIELDS[field][0] if UNIMPLEMENTED_FIELDS[field] else None
     served = httpx.post(f"{server.url}/v1/{path}", json={**request, field: neutral, "user": "u1"}, timeout=60)
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4

@@ -54,8 +54,8 @@ def adjust_row(logits: torch.Tensor, sequence, follows: list[list[int]]) -> None
         logits[torch.tensor(short, device=device)[:, None], torch.tensor(sequence.stop_token_ids, device=device)] = (
             float("-inf")
         )
-    ids = [torch.tensor(output, dtype=torch.long, device=device) for output in follows]
-    counts = torch.stack([torch.bincount(row, minlength=vocab) for row in ids]).to(logits.dtype)  # [T, V]
+    seen = [torch.tensor(output, dtype=torch.long, device=device) for output in follows]
+    counts = torch.stack([torch.bincount(output, minlength=vocab) for output in seen]).to(logits.dtype)  # [T, V]
     if wanted.repetition_penalty != 1.0:
         prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         prompt[torch.tensor(sequence.prompt, device=device)] = True
