@@ -21,11 +21,12 @@ from specdoctor.probe.stats import rate_upper_bound
 from tests.helpers.servers import SpecdoctorServer, probe
 
 
-def verdicts(url: str, reference: str | None) -> tuple[int, dict[str, str]]:
+def verdicts_and_evidence(url: str, reference: str | None) -> tuple[int, dict[str, tuple[str, str]]]:
+    """`probe --api`'s exit code and each check's (verdict, evidence)."""
     args = ("--reference-url", reference) if reference else ()
     result = probe(url, "--api", *args, "--json", "-")
     api = next(sweep for sweep in json.loads(result.stdout)["sweeps"] if sweep["name"] == "api")
-    return result.returncode, {point["label"]: point["verdict"] for point in api["points"]}
+    return result.returncode, {point["label"]: (point["verdict"], point["evidence"]) for point in api["points"]}
 
 
 def main() -> None:
@@ -40,9 +41,9 @@ def main() -> None:
         for mode, reference in (("own output", None), ("reference", off.url)):
             counts, failed_runs = Counter(), 0
             for _ in track(range(args.runs), description=f"probe --api, {mode}"):
-                code, found = verdicts(healthy.url, reference)
+                code, found = verdicts_and_evidence(healthy.url, reference)
                 failed_runs += code != 0
-                counts.update(f"{label}: {verdict}" for label, verdict in found.items())
+                counts.update(f"{label}: {verdict}" for label, (verdict, _) in found.items())
             bound = rate_upper_bound(failed_runs, args.runs, 0.05)
             results[mode] = {"runs": args.runs, "failed_runs": failed_runs, "rate_upper_95": bound, "verdicts": counts}
             console.print(f"{mode}: {failed_runs} of {args.runs} runs failed (95 % upper bound {bound:.1%})")

@@ -22,7 +22,7 @@ BIAS = 100.0  # a logit bias that makes its token the argmax at every step
 BIAS_TOKENS = 8
 # Each penalty alone, at a value that changes the demo's greedy output, on every battery prompt: a penalty applied
 # per step instead of per accepted token differs only where a token repeats inside an accepted run (on the demo, 2
-# to 4 of the 9 prompts at these values, none of the first 3).
+# to 4 of the 9 prompts at these values, none of the first 3: benchmarks/api_faults.py).
 PENALTIES = {
     "presence_penalty": 1.5,
     "frequency_penalty": 1.0,
