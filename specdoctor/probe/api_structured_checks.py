@@ -1,18 +1,23 @@
-"""The API sweep's structured-output checks: `response_format` `json_schema` and `json_object`, each at concurrency
-1 and API_CONCURRENCY. A reply that finished ("stop") must be JSON, and valid against the schema; greedy, the two
-concurrencies must give the same replies, and with a reference the reference's. A reply cut by max_tokens is not
-judged (a grammar may let a model write whitespace until it runs out), and where none finished the check is not
-run."""
+"""The API sweep's structured-output checks: OpenAI's `response_format` (`json_schema`, `json_object`) and vLLM's
+`structured_outputs` (`regex`, `choice`), each at concurrency 1 and API_CONCURRENCY. A reply that finished ("stop")
+must follow its constraint (JSON valid against the schema, the regex matched whole, one of the choices); greedy, the
+two concurrencies must give the same replies, and with a reference the reference's. A reply cut by max_tokens is not
+judged (a grammar may let a model write whitespace until it runs out), and where none finished the check is not run;
+so is a check whose field the server ignores (every reply breaks the constraint and is the unconstrained reply)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from specdoctor.probe.api_common import (
     API_CONCURRENCY,
     NOT_RUN,
     ApiCheck,
     Asker,
+    Plain,
     finish_of,
     parting,
     refused,
@@ -33,22 +38,56 @@ SCHEMA = {
     "required": ["ok", "tag", "n"],
     "additionalProperties": False,
 }
-FORMATS = {
-    "json_schema": {"type": "json_schema", "json_schema": {"name": "specdoctor_probe", "schema": SCHEMA}},
-    "json_object": {"type": "json_object"},
-}
+REGEX = r"(yes|no), [0-9]{1,3}\."
+CHOICES = ["alpha", "beta", "gamma delta"]
 TYPES = {"boolean": bool, "integer": int, "object": dict}
 
 
-def structured_checks(asker: Asker, prompts: list) -> list[ApiCheck]:
-    return [structured_check(asker, prompts, name, response_format) for name, response_format in FORMATS.items()]
+@dataclass(frozen=True)
+class Constraint:
+    name: str  # the check's label
+    fields: dict  # what the request sends
+    breach: Callable[[str], str | None]  # why a finished reply's text breaks it, or None
 
 
-def structured_check(asker: Asker, prompts: list, name: str, response_format: dict) -> ApiCheck:
-    label = f"response_format {name}"
-    requests = [
-        asker.body(prompt, {"response_format": response_format, "max_tokens": STRUCTURED_TOKENS}) for prompt in prompts
-    ]
+def json_breach(schema: dict | None) -> Callable[[str], str | None]:
+    def breach(text: str) -> str | None:
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            return f"not JSON ({err}): {text[:80]!r}"
+        return None if schema is None else schema_violation(value, schema)
+
+    return breach
+
+
+def regex_breach(text: str) -> str | None:
+    return None if re.fullmatch(REGEX, text) else f"{text[:80]!r} does not match {REGEX!r}"
+
+
+def choice_breach(text: str) -> str | None:
+    return None if text in CHOICES else f"{text[:80]!r} is not one of {CHOICES}"
+
+
+CONSTRAINTS = [
+    Constraint(
+        "response_format json_schema",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "specdoctor_probe", "schema": SCHEMA}}},
+        json_breach(SCHEMA),
+    ),
+    Constraint("response_format json_object", {"response_format": {"type": "json_object"}}, json_breach(None)),
+    Constraint("structured_outputs regex", {"structured_outputs": {"regex": REGEX}}, regex_breach),
+    Constraint("structured_outputs choice", {"structured_outputs": {"choice": CHOICES}}, choice_breach),
+]
+
+
+def structured_checks(asker: Asker, prompts: list, plain: Plain) -> list[ApiCheck]:
+    return [structured_check(asker, prompts, plain, constraint) for constraint in CONSTRAINTS]
+
+
+def structured_check(asker: Asker, prompts: list, plain: Plain, constraint: Constraint) -> ApiCheck:
+    label = constraint.name
+    requests = [asker.body(prompt, constraint.fields | {"max_tokens": STRUCTURED_TOKENS}) for prompt in prompts]
     batched = asker.ask(requests)
     if refusal := refused_check(label, "structured", batched):
         return refusal
@@ -57,12 +96,15 @@ def structured_check(asker: Asker, prompts: list, name: str, response_format: di
     if uncompared:  # its own rules still hold: JSON, the schema, alone as in a batch
         theirs = [None] * len(requests)
     alone = asker.ask(requests, concurrency=1)
-    schema = SCHEMA if name == "json_schema" else None
+    if ignored(batched, plain.own, constraint):
+        field = next(iter(constraint.fields))
+        why = f"the server ignores {field}: every reply breaks it and is the reply without it"
+        return ApiCheck(label, "structured", len(requests) * 2, NOT_RUN, why)
     cases, finished = [], 0
     for p, (reply, solo, reference) in enumerate(zip(batched, alone, theirs, strict=True)):
         for where, one in ((f"{API_CONCURRENCY} in flight", reply), ("alone", solo)):
             finished += finish_of(one) == "stop"
-            cases.append((f"prompt {p + 1}, {where}", structured_mismatch(one, schema)))
+            cases.append((f"prompt {p + 1}, {where}", structured_mismatch(one, constraint)))
         cases.append((f"prompt {p + 1}, alone against {API_CONCURRENCY} in flight", parted(solo, reply)))
         if reference is not None:
             cases.append((f"prompt {p + 1}, against speculation off", parted(reply, reference)))
@@ -83,19 +125,26 @@ def parted(reply: dict, other: dict) -> str | None:
     return None if found is None or found["gap"] <= TIE_MARGIN else f"the replies part at token {found['index']}"
 
 
-def structured_mismatch(reply: dict, schema: dict | None) -> str | None:
-    """Why a finished reply breaks its format (JSON, and the schema where there is one), or None; a reply cut by
-    max_tokens is not judged."""
+def structured_mismatch(reply: dict, constraint: Constraint) -> str | None:
+    """Why a finished reply breaks its constraint, or None; a reply cut by max_tokens is not judged."""
     if "error" in reply:
         return reply["error"]
-    if finish_of(reply) != "stop":
-        return None
-    text = output_text(reply)
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        return f"not JSON ({err}): {text[:80]!r}"
-    return None if schema is None else schema_violation(value, schema)
+    return constraint.breach(output_text(reply)) if finish_of(reply) == "stop" else None
+
+
+def ignored(replies: list[dict], unconstrained: list[dict], constraint: Constraint) -> bool:
+    """Every reply breaks the constraint (finished or not) and begins as the same prompt's reply without it does:
+    the field was not read."""
+
+    def same_start(one: str, other: str) -> bool:
+        return one.startswith(other) or other.startswith(one)
+
+    return all(
+        "error" not in reply
+        and constraint.breach(output_text(reply))
+        and same_start(output_text(reply), output_text(free))
+        for reply, free in zip(replies, unconstrained, strict=True)
+    )
 
 
 def schema_violation(value, schema: dict) -> str | None:

@@ -45,7 +45,7 @@ def api_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list
         logprobs,
         logit_bias_check(asker, prompts, plain),
         *(penalty_check(asker, battery, plain, name, value, trusted) for name, value in PENALTIES.items()),
-        *structured_checks(asker, prompts),
+        *structured_checks(asker, prompts, plain),
         seed_check(asker, prompts),
     ]
     findings = [

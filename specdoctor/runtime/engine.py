@@ -21,6 +21,7 @@ from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import model_eos_token_ids
 from specdoctor.runtime.compile_status import CompileStatus
 from specdoctor.runtime.decode.continuous import RowUpdate
+from specdoctor.runtime.decode.grammar import GrammarRequest
 from specdoctor.runtime.decode.requests import (
     GenerateRequest,
     GenerateResult,
@@ -154,9 +155,10 @@ class Engine:
         num_speculative_tokens: int | None = None,
         on_tokens=None,
         every_step_kind: bool = False,
+        grammar: GrammarRequest | None = None,
     ) -> GenerateResult:
         """Generate for a batch; `on_tokens(tokens per prompt so far)` is called after every step. `every_step_kind`:
-        serve's warm-up (GenerateRequest)."""
+        serve's warm-up (GenerateRequest); `grammar`: structured output for every prompt."""
         if self._closed:
             raise PipelineError("the engine is closed")
         k = self.options.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
@@ -169,6 +171,7 @@ class Engine:
             stream=on_tokens is not None,
             draft_sample_method=self.options.draft_sample_method,
             every_step_kind=every_step_kind,
+            grammar=grammar,
         )
         validate_request(request, self.config, self.speculates)
         self._inbox.put(Order(Command.GENERATE, request))

@@ -26,6 +26,9 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
                            plain decoding's
   logprobs-of-draft        the log-probabilities reported for an accepted draft are the drafter's distribution at
                            that position, not the target's (vllm#34497's class)
+  grammar-no-rollback      structured output's matcher walks a step's drafts to mask each verified position and is
+                           not rolled back: the state after rejected drafts masks the tokens that follow (the
+                           rollback xgrammar exists to do, vLLM's StructuredOutputManager)
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
                            the target's embedding: TP rank 0 does, the others leave their shard as allocated
                            (vllm#50158)
@@ -48,6 +51,7 @@ SWITCHES = (
     "eos-leak-past-max-tokens",
     "penalties-per-step",
     "logprobs-of-draft",
+    "grammar-no-rollback",
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
@@ -67,6 +71,7 @@ class Faults:
     eos_leak_past_max_tokens: bool = False
     penalties_per_step: bool = False
     logprobs_of_draft: bool = False
+    grammar_no_rollback: bool = False
     per_rank_sharing: bool = False
     vocab_shard_shifted: bool = False
 

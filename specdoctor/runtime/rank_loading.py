@@ -13,6 +13,7 @@ from specdoctor.runtime.background_compile import BackgroundCompiler
 from specdoctor.runtime.cache.prefix import PrefixStore
 from specdoctor.runtime.checkpoint.loader import load_target_stage
 from specdoctor.runtime.checkpoint.reader import Checkpoint
+from specdoctor.runtime.checkpoint.tokenizer import model_eos_token_ids, tokenizer_file
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.compile import compile_layers
 from specdoctor.runtime.decode.pipeline import RankModel
@@ -116,6 +117,8 @@ def build_rank(
         placement, stage, drafter, None, device, dtype, checkpoint, provenance, rollback, route, kind, faults
     )
     model.graphs = graphs
+    model.tokenizer = tokenizer_file(checkpoint.path, options.tokenizer)
+    model.eos_token_ids = model_eos_token_ids(checkpoint.path, checkpoint.config.eos_token_ids, options.tokenizer)
     config = checkpoint.config
     hybrid = any(map(config.is_linear_attention, range(config.num_hidden_layers)))
     if options.enable_prefix_caching and not hybrid:  # recurrent states are not kept per block

@@ -164,7 +164,7 @@ def make_jobs(
     if any(not 0 <= token < vocab for token in body.stop_token_ids or ()):
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
-    logprobs = body.logprob_count()
+    logprobs, grammar = body.logprob_count(), body.grammar()
     jobs = []
     for prompt in prompts:
         ids = prompt_ids(state, prompt)
@@ -179,7 +179,8 @@ def make_jobs(
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)
-            jobs.append(Job(SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs, adjustments)))
+            sequence = SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs, adjustments, grammar)
+            jobs.append(Job(sequence))
     return jobs
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from specdoctor.runtime.decode.adjustments import LogitAdjustments
+from specdoctor.runtime.decode.grammar import GrammarRequest
 
 # Used when a checkpoint ships no chat template: one line per message, then the assistant's turn.
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
@@ -34,8 +35,6 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -57,6 +56,48 @@ StopString = Annotated[StrictStr, Field(min_length=1)]  # vLLM refuses an empty 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint. Its other options (whitespace, structural tags, the
+    backend) are refused as unknown keys rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def request(self) -> GrammarRequest:
+        given = {
+            "json": self.json_ if isinstance(self.json_, str) or self.json_ is None else json.dumps(self.json_),
+            "regex": self.regex,
+            "choice": None if self.choice is None else json.dumps(self.choice),
+            "grammar": self.grammar,
+            "json_object": "" if self.json_object else None,
+        }
+        kinds = [(kind, spec) for kind, spec in given.items() if spec is not None]
+        if len(kinds) != 1:
+            raise RequestError(
+                f"structured_outputs needs exactly one of {', '.join(given)}; sent {len(kinds)}", "structured_outputs"
+            )
+        return GrammarRequest(*kinds[0])
 
 
 class SamplingFields(BaseModel):
@@ -83,6 +124,32 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # Structured output (runtime/decode/grammar.py): OpenAI's field, or vLLM's; not both.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def grammar(self) -> GrammarRequest | None:
+        """What the output must match, compiled once here so that a grammar xgrammar refuses is a 400 naming it."""
+        wanted, field = None, "structured_outputs"
+        if self.structured_outputs is not None:
+            wanted = self.structured_outputs.request()
+        if self.response_format is not None and self.response_format.type != "text":
+            if wanted is not None:
+                raise RequestError("send response_format or structured_outputs, not both", "response_format")
+            wanted, field = self.response_format_grammar(), "response_format"
+        if wanted is not None:
+            try:
+                wanted.grammar()
+            except ValueError as error:
+                raise RequestError(f"{field}: {error}", field) from None
+        return wanted
+
+    def response_format_grammar(self) -> GrammarRequest:
+        if self.response_format.type == "json_object":
+            return GrammarRequest("json_object")
+        if self.response_format.json_schema is None:
+            raise RequestError("response_format json_schema needs its json_schema", "response_format")
+        return GrammarRequest("json", json.dumps(self.response_format.json_schema.json_schema))
 
     def refuse_unimplemented(self) -> None:
         """A 400 naming the first field this server does not implement, sent with a value that changes the output."""

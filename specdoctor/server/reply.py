@@ -15,6 +15,8 @@ from specdoctor.server.protocol import RequestError, SamplingFields
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 from specdoctor.server.text import StreamedText, apply_stop
 
+LOWEST_LOGPROB = -9999.0  # vLLM's floor for the log-probabilities it returns
+
 
 class Reply:
     def __init__(self, state, body: SamplingFields, jobs: list[Job], chat: bool):
@@ -98,8 +100,8 @@ class Reply:
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {
             "tokens": [self.token_label(token) for token, _ in entries],
-            "token_logprobs": [lp for _, (lp, _) in entries],
-            "top_logprobs": [{self.token_label(t): v for t, v in top} for _, (_, top) in entries],
+            "token_logprobs": [shown(lp) for _, (lp, _) in entries],
+            "top_logprobs": [{self.token_label(t): shown(v) for t, v in top} for _, (_, top) in entries],
             "text_offset": offsets,
         }
 
@@ -111,7 +113,7 @@ class Reply:
     def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def described(token: int, value: float) -> dict:
             text = self.decode([token])
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+            return {"token": text, "logprob": shown(value), "bytes": list(text.encode())}
 
         return {**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
 
@@ -189,6 +191,12 @@ class Reply:
     @staticmethod
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
+
+
+def shown(logprob: float) -> float:
+    """A log-probability as the API reports it: a token structured output rules out has -inf, which JSON cannot
+    carry; vLLM reports it as -9999.0."""
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def token_logprobs(job: Job, start: int, end: int) -> list[tuple[int, TokenLogprob]]:

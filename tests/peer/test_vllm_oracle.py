@@ -19,6 +19,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.reader import Checkpoint
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
+from specdoctor.runtime.decode.grammar import GrammarRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.models.registry import read_config
 from specdoctor.runtime.options import RuntimeOptions
@@ -33,26 +34,49 @@ from tests.peer.vllm_server import VllmServer, completion_with_counters
 # vLLM's start-up (80-100 s on 2 cores) runs inside a test's fixtures; the install runs before the suite.
 pytestmark = [pytest.mark.timeout(900), pytest.mark.tool_env("vllm")]
 MAX_TOKENS = 32
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "tag"],
+    "additionalProperties": False,
+}
 
 
-def assert_battery_matches(server, runtime: RuntimeOptions) -> None:
-    """Per battery prompt, sent alone: vLLM's token ids and its draft and acceptance counters are ours."""
+def assert_battery_matches(server, runtime: RuntimeOptions, structured: dict | None = None) -> None:
+    """Per battery prompt, sent alone: vLLM's token ids and its draft and acceptance counters are ours. `structured`:
+    vLLM's structured_outputs for every prompt, and the same grammar for ours (vLLM names the EOS token that ends a
+    reply as its last token id; ours ends without it)."""
     checkpoint = Checkpoint(runtime.model)
     codec = TextCodec(checkpoint.path / "tokenizer.json", checkpoint.config.eos_token_ids)
     prompts = [(entry["name"], codec.encode(entry["prompt"])) for entry in load_battery(None)]
+    grammar = GrammarRequest("json", json.dumps(structured["json"])) if structured else None
     with Engine(runtime) as engine:
-        ours = {name: engine.generate([ids], MAX_TOKENS) for name, ids in prompts}
+        ours = {name: engine.generate([ids], MAX_TOKENS, grammar=grammar) for name, ids in prompts}
+        eos = engine.eos_token_ids
+    stopped = 0
     for name, ids in prompts:
-        tokens, metrics = completion_with_counters(server.url, ids, MAX_TOKENS)
+        extra = {"structured_outputs": structured} if structured else None
+        tokens, metrics = completion_with_counters(server.url, ids, MAX_TOKENS, extra)
+        if ours[name].finish_reasons[0] == "stop" and tokens and tokens[-1] in eos:
+            tokens, stopped = tokens[:-1], stopped + 1
         assert tokens == ours[name].tokens[0], name
         theirs, mine = metrics.to_dict(), ours[name].row_metrics[0].to_dict()
         for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
             assert theirs[counter] == mine[counter], (name, counter, theirs, mine)
         assert mine["num_drafts"] > 0, name
+    if structured:
+        assert stopped > 0  # some replies closed their JSON inside MAX_TOKENS: the grammar's end was reached
 
 
 def test_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo):
     assert_battery_matches(vllm_demo, RuntimeOptions("demo", num_speculative_tokens=K))
+
+
+def test_structured_output_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo):
+    """vLLM's xgrammar under MTP: its drafts validated against the grammar, each verified position masked, the
+    matcher rolled back. Under a JSON schema every battery prompt gives vLLM's tokens and its counters: the drafts
+    the grammar rules out are counted and rejected as vLLM counts and rejects them."""
+    assert_battery_matches(vllm_demo, RuntimeOptions("demo", num_speculative_tokens=K), {"json": GRAMMAR_SCHEMA})
 
 
 def test_at_tp_2_every_battery_prompt_gives_vllms_tokens_drafts_and_accepted_counts(vllm_demo_tp2):
@@ -323,8 +347,9 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     # reference, serve at k 0, gives vLLM at k 0's replies to every check: benchmarks/vllm_api_sweep.py); it refuses
     # logit_bias with speculation (400); a seeded request at temperature 0.8 is not reproducible with MTP (it is
     # without: measured at concurrency 1 and 6, n 1 and 2; docs/probe.md). Its structured output (xgrammar) under
-    # MTP: each finished json_schema reply valid, the same alone as at 16 in flight (not compared with the reference,
-    # which refuses response_format); with json_object the demo writes whitespace to the limit, so nothing is judged.
+    # MTP: each finished json_schema, regex and choice reply valid, the same alone as at 16 in flight, and the
+    # reference's (serve at k 0, xgrammar too); with json_object the demo writes whitespace to the limit, so nothing
+    # is judged.
     api = {point["label"]: point for point in sweeps["api"]["points"]}
     verdicts = {name: point["verdict"] for name, point in api.items()}
     assert verdicts == {
@@ -339,6 +364,8 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "repetition_penalty 1.5": "passed",
         "response_format json_schema": "passed",
         "response_format json_object": "not run",  # the demo writes whitespace to the limit: nothing to judge
+        "structured_outputs regex": "passed",
+        "structured_outputs choice": "passed",
         "seed": "failed",
     }
     assert "not yet supported with speculative decoding" in api["logit_bias"]["evidence"]

@@ -100,11 +100,14 @@ def scrape(url: str) -> tuple[SpecMetrics, float]:
     return prometheus.spec_counters(samples), prometheus.counter(samples, "vllm:generation_tokens") or 0.0
 
 
-def completion_with_counters(url: str, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecMetrics]:
+def completion_with_counters(
+    url: str, prompt_ids: list[int], max_tokens: int, extra: dict | None = None
+) -> tuple[list[int], SpecMetrics]:
     """One greedy request's token ids and its own speculative counters (the /metrics difference around it;
-    sent alone, so nothing else is counted)."""
+    sent alone, so nothing else is counted). `extra`: more request fields."""
     before, generated = scrape(url)
     body = {"model": "demo", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    body |= extra or {}
     tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
     deadline = time.monotonic() + 30
     while True:  # the counters are recorded just after the response is sent: wait until they hold this request

@@ -10,7 +10,7 @@ import pytest
 
 from specdoctor.probe.api_common import cut_mismatch, tie_before
 from specdoctor.probe.api_output_checks import stop_at
-from specdoctor.probe.api_structured_checks import SCHEMA, structured_mismatch
+from specdoctor.probe.api_structured_checks import CONSTRAINTS, ignored, structured_mismatch
 from specdoctor.probe.output_sweeps import TIE_MARGIN
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import probe
@@ -28,9 +28,12 @@ ALL_CHECKS = [
     "repetition_penalty 1.5",
     "response_format json_schema",
     "response_format json_object",
+    "structured_outputs regex",
+    "structured_outputs choice",
     "seed",
 ]
-STRUCTURED = ["response_format json_schema", "response_format json_object"]  # serve refuses them: not run
+STRUCTURED = ALL_CHECKS[9:13]
+WHITESPACE = "response_format json_object"  # the demo writes whitespace to the limit: no reply to judge, not run
 
 
 def api_checks(result) -> dict[str, dict]:
@@ -49,20 +52,20 @@ def output_faults():
 
 @pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
 def test_a_healthy_server_passes_every_api_check(servers, reference):
-    """Every field the sweep sends is implemented by `serve` at k 3 as at k 0 (the reference); without a reference
-    the repetition penalty alone is not verified (it scales logits, which log-probabilities do not show), and says
-    that it changed the outputs."""
+    """Every field the sweep sends is implemented by `serve` at k 3 as at k 0 (the reference), structured output
+    included; without a reference the repetition penalty is not verified (it scales logits, which log-probabilities
+    do not show), and says that it changed the outputs."""
     args = ("--reference-url", servers["off"].url) if reference else ()
     result = probe(servers["healthy"].url, "--api", *args, "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     checks = api_checks(result)
-    unverified = STRUCTURED + ([] if reference else ["repetition_penalty 1.5"])
+    unverified = [WHITESPACE] + ([] if reference else ["repetition_penalty 1.5"])
     verdicts = {name: check["verdict"] for name, check in checks.items()}
     assert verdicts == {name: "not run" if name in unverified else "passed" for name in ALL_CHECKS}
     assert all(checks[name]["requests"] >= 3 for name in ALL_CHECKS)
     assert checks["presence_penalty 1.5"]["requests"] == 9  # every battery prompt
     assert checks["logprobs"]["requests"] > 3  # the positions sent again as prompts
-    assert all("not implemented by specdoctor serve" in checks[name]["evidence"] for name in STRUCTURED)
+    assert "no reply finished within 64 tokens" in checks[WHITESPACE]["evidence"]
     report = json.loads(result.stdout)
     warnings = [f["message"] for f in report["findings"] if f["severity"] == "warning"]
     assert len(warnings) == 1 and warnings[0].startswith("not verified: ")
@@ -73,32 +76,44 @@ def test_a_healthy_server_passes_every_api_check(servers, reference):
 
 
 @pytest.fixture(scope="module")
-def penalty_fault():
-    server = Server("--pp", "2", "--num-speculative-tokens", "3", "--fault", "penalties-per-step", "--allow-unhealthy")
+def logit_faults():
+    """Two faults on the target's logits that touch different requests: the penalties (the sweep pins them neutral
+    elsewhere) and the grammar's masks (only structured requests have one)."""
+    faults = "penalties-per-step,grammar-no-rollback"
+    server = Server("--pp", "2", "--num-speculative-tokens", "3", "--fault", faults, "--allow-unhealthy")
     yield server
     server.stop()
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
-def test_penalties_applied_per_step_fail_the_penalty_checks(penalty_fault, servers, reference):
+def test_penalties_per_step_and_a_grammar_not_rolled_back_fail_the_checks_of_their_class(
+    logit_faults, servers, reference
+):
     """A server that counts a step's accepted drafts in no penalty (penalties-per-step): its penalised outputs leave
     speculation off's where a token repeats inside an accepted run (2 to 4 of the 9 prompts). Without a reference
-    the presence and frequency penalties are found on the replies' own raw log-probabilities, and with one."""
+    the presence and frequency penalties are found on the replies' own raw log-probabilities, and with one. Its
+    grammar matchers stay where a step's rejected drafts left them (grammar-no-rollback): replies that break their
+    schema or regex, found with or without a reference."""
     args = ("--reference-url", servers["off"].url) if reference else ()
-    result = probe(penalty_fault.url, "--api", *args, "--json", "-")
+    result = probe(logit_faults.url, "--api", *args, "--json", "-")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr
     checks = api_checks(result)
     failing = ["presence_penalty 1.5", "frequency_penalty 1"]
     verdicts = {name: check["verdict"] for name, check in checks.items()}
-    expected = {name: "failed" if name in failing else "passed" for name in ALL_CHECKS}
+    structured = {name: verdicts.pop(name) for name in STRUCTURED}
+    expected = {name: "failed" if name in failing else "passed" for name in ALL_CHECKS if name not in STRUCTURED}
     # repetition: without a reference it needs one; with one, the replies part from speculation off (2 of 9) at
     # tokens it scales, whose scores log-probabilities do not show: not decided, and said
-    unverified = [*STRUCTURED, "repetition_penalty 1.5"]
     assert not reference or "parts from speculation off" in checks["repetition_penalty 1.5"]["evidence"]
-    assert verdicts == expected | dict.fromkeys(unverified, "not run")
+    assert verdicts == expected | {"repetition_penalty 1.5": "not run"}
+    # the schema's and the regex's replies break them (an invalid draft's state masks the token after it)
+    assert structured["response_format json_schema"] == structured["structured_outputs regex"] == "failed"
+    assert "does not match" in checks["structured_outputs regex"]["evidence"]
+    broken = [name for name in STRUCTURED if structured[name] == "failed"]
     errors = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "error"]
-    assert [f["message"].split(":")[0] for f in errors] == failing
-    assert all("per accepted token" in f["hint"] for f in errors)
+    assert [f["message"].split(":")[0] for f in errors] == failing + broken
+    assert all("per accepted token" in f["hint"] for f in errors[:2])
+    assert all("bitmask meets the drafts" in f["hint"] for f in errors[2:])
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["own-output", "reference"])
@@ -183,7 +198,21 @@ def test_a_stop_string_begins_where_it_is_first_found():
     ],
 )
 def test_a_finished_structured_reply_is_json_valid_against_its_schema(text, finish, wrong):
-    found = structured_mismatch({"choices": [{"text": text, "finish_reason": finish}]}, SCHEMA)
+    schema, json_object, regex, choice = CONSTRAINTS
+    found = structured_mismatch({"choices": [{"text": text, "finish_reason": finish}]}, schema)
     assert found == wrong if wrong is None else wrong in found
     if finish == "stop" and wrong is None:  # json_object asks for JSON alone
-        assert structured_mismatch({"choices": [{"text": "[1, 2]", "finish_reason": "stop"}]}, None) is None
+        assert structured_mismatch({"choices": [{"text": "[1, 2]", "finish_reason": "stop"}]}, json_object) is None
+        assert regex.breach("yes, 12.") is None and regex.breach("yes, 12. ") is not None
+        assert choice.breach("gamma delta") is None and choice.breach("gamma") is not None
+
+
+def test_a_field_the_server_ignores_is_told_from_a_broken_one():
+    """Every reply breaking the constraint and beginning as the reply without it: the field was not read (not run);
+    one reply that differs from the unconstrained one: the server read it and broke it (judged)."""
+    regex = CONSTRAINTS[2]
+    free = [{"choices": [{"text": text}]} for text in ("def f(x):", "import os")]
+    same = [{"choices": [{"text": text}]} for text in ("def f(x):\n    return", "import")]
+    assert ignored(same, free, regex)
+    assert not ignored([same[0], {"choices": [{"text": "yes,, 9."}]}], free, regex)
+    assert not ignored([same[0], {"choices": [{"text": "no, 7."}]}], free, regex)  # one follows it

@@ -17,6 +17,7 @@ from specdoctor.runtime.cache.prefix import BLOCK_SIZE, block_hashes
 from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.decode.adjustments import adjusted_logits
+from specdoctor.runtime.decode.grammar import RowGrammars, batch_grammars, real_drafts, verified_counts
 from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel, pad_right, pipeline_pass
@@ -50,9 +51,10 @@ class BatchState:
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
         max_len = pass_end + max(s.max_new_tokens for s in sequences) + 2 * k
         self.cache = model.cache(batch, max_len)
-        self.sampler, self.drafts = None, None
+        self.sampler, self.drafts, self.grammars = None, None, None
         if model.placement.is_last:
             self.sampler = RowSampler([s.sampling for s in sequences], model.device)
+            self.grammars = batch_grammars(model, sequences, k)
             if k:
                 drafter_cache = model.cache(batch, max_len, drafter=True)
                 self.drafts = Drafts(
@@ -69,12 +71,17 @@ class BatchState:
         self.speculating = False  # every row's pending decision holds drafts: the next step verifies them
         self.stepped_speculatively = False
         self.stand_in_drafts = [False] * batch  # rows whose drafts the next step verifies are DUMMY_DRAFT (regroup)
+        self.verified: torch.Tensor | None = None  # [B] the drafts the last step verified (a grammar cuts some)
 
     def commit(self, count_metrics: bool) -> None:
         before = [len(tokens) for tokens in self.result.tokens]
         counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
-        decision = self.decision.tolist()  # the step's one read from the device
-        self.active = commit(self.result, decision, self.k, self.sequences, counted, self.active, self.model.faults)
+        verified = self.verified if self.verified is not None else torch.full_like(self.decision[:, 0], self.k)
+        read = torch.cat([self.decision, verified[:, None]], dim=1).tolist()  # the step's one read from the device
+        decision, drafted = [row[:-1] for row in read], [row[-1] for row in read]
+        self.active = commit(
+            self.result, decision, self.k, self.sequences, counted, self.active, self.model.faults, drafted
+        )
         self.stand_in_drafts = [False] * len(self.sequences)
         self.speculating = self.k > 0 and all(PLACEHOLDER not in row[self.k + 2 :] for row in decision)
         for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order
@@ -106,7 +113,7 @@ class BatchState:
         if model.placement.is_last:
             rows, last = torch.arange(batch, device=model.device), computed - 1
             final = model.stage.model.norm(hidden)  # [B, T, H]: an MTP drafter is fed the final-normed states
-            logits = model.stage.lm_head(final[rows, last][:, None])  # [B, 1, V]: only the last position's
+            logits = self.constrained(model.stage.lm_head(final[rows, last][:, None]), None)  # [B, 1, V]: the last's
             first = speculative_step(self.adjusted(logits, None), None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
             self.decision[:, :2] = first
@@ -117,6 +124,7 @@ class BatchState:
                 self.drafts.propose(next_tokens, model.drafter_features(ids, final, taps), positions, base=last)
                 self.drafts.decoding = True
                 self.decision[:, self.k + 2 :] = self.drafts.tokens
+            self.decision = self.grammar_cut(self.decision)
         if model.prefix_store:
             for row, hashes in enumerate(self.hashes):
                 model.prefix_store.save(self.cache_roles(), row, hashes, drafter=bool(self.k))
@@ -134,25 +142,43 @@ class BatchState:
         model, k, decision = self.model, self.k, self.decision
         speculate = self.speculating
         tokens = decision.gather(1, 1 + decision[:, :1])
+        drafted = real_drafts(decision[:, k + 2 :])
+        self.verified = verified_counts(decision[:, k + 2 :]) if speculate else None
         if speculate:
-            tokens = torch.cat([tokens, decision[:, k + 2 :]], dim=1)
+            tokens = torch.cat([tokens, drafted], dim=1)
         positions = self.filled[:, None] + torch.arange(tokens.shape[1], device=model.device)  # [B, T]
         self.cache.begin(valid_end=None, keep_positions=True)  # the accepted count is known only after
         hidden, taps = pipeline_pass(model, tokens, positions, self.cache)
         if model.placement.is_last:
             final, logits = model.stage.head(hidden)
+            logits = self.constrained(logits, drafted if speculate else None)
             features = model.drafter_features(tokens, final, taps)  # what the drafter reads
             reported = self.reported_logits(logits) if speculate else logits  # before the next proposal
             if speculate:
-                chosen_from = self.adjusted(logits, decision[:, k + 2 :])
+                chosen_from = self.adjusted(logits, drafted)
                 drafts, sampler = self.drafts, self.sampler
                 self.decision = speculative_step(chosen_from, features, positions, drafts, sampler, propose_next)
             else:
                 self.decision = self.plain_decision(logits, features, positions, propose_next)
+            self.decision = self.grammar_cut(self.decision)
             self.note_logprobs(reported)
         model.comm.broadcast_from_last(self.decision)
         self.stepped_speculatively = speculate
         finish_device_work(model.device)
+
+    def constrained(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """The target's logits with structured output's masks (runtime/decode/grammar.py); `drafts` [B, k]: those
+        this step verifies (None: a plain step). Log-probabilities are read after the mask, as vLLM's are."""
+        if self.grammars is None or not self.grammars.active:
+            return logits
+        return self.grammars.constrain(logits, drafts, self.active)
+
+    def grammar_cut(self, decision: torch.Tensor) -> torch.Tensor:
+        """On the last rank, before the broadcast: structured output's matchers past the step's emitted tokens, and
+        the next drafts after their longest valid prefix cut (runtime/decode/grammar.py)."""
+        if self.grammars is None or not self.grammars.active:
+            return decision
+        return self.grammars.advance_and_cut(decision, self.k, self.active)
 
     def adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
         """The logits each row's tokens are chosen from: its penalties, logit_bias and min_tokens applied
@@ -206,6 +232,7 @@ class BatchState:
         joined.drafts = (
             first.drafts.regroup([b.drafts for b in batches], rows, joined.sampler) if first.drafts else None
         )
+        joined.grammars = RowGrammars.join([b.grammars for b in batches], rows) if first.grammars else None
         joined.decision = joined_rows([b.decision for b in batches], rows)
         joined.filled = joined_rows([b.filled for b in batches], rows)
         keep = range(len(sequences)) if rows is None else rows
@@ -217,6 +244,7 @@ class BatchState:
         joined.speculating = all(b.speculating for b in batches)
         joined.stepped_speculatively = False
         joined.stand_in_drafts = [False] * len(joined.sequences)
+        joined.verified = None
         if not joined.speculating and joined.k and any(sequence.sampling.seeded for sequence in joined.sequences):
             joined.stand_in_plain_rows()
         joined.result = GenerateResult(

@@ -12,10 +12,12 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, accepted: int, num_drafted: int) -> None:
-        """One request's step: `num_drafted` drafts proposed, the first `accepted` of them accepted."""
-        if len(self.num_accepted_tokens_per_pos) < num_drafted:
-            self.num_accepted_tokens_per_pos += [0] * (num_drafted - len(self.num_accepted_tokens_per_pos))
+    def record(self, accepted: int, num_drafted: int, positions: int = 0) -> None:
+        """One request's step: `num_drafted` drafts proposed, the first `accepted` of them accepted; the per-position
+        counts reach at least `positions` (k, where a step verified fewer)."""
+        width = max(num_drafted, positions)
+        if len(self.num_accepted_tokens_per_pos) < width:
+            self.num_accepted_tokens_per_pos += [0] * (width - len(self.num_accepted_tokens_per_pos))
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += accepted

@@ -4,6 +4,7 @@ this rank's layers and moves hidden states (and a drafter's taps) to the next ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,8 @@ class RankModel:
     faults: Faults = field(default_factory=Faults)  # the engine faults reproduced (--fault)
     prefix_store: PrefixStore | None = None  # prefix caching's blocks, kept across batches (serve)
     graphs: BackgroundCompiler | None = None  # --compile: the graphs compiled behind the passes
+    tokenizer: Path | None = None  # the tokenizer.json structured output compiles its grammars for
+    eos_token_ids: tuple[int, ...] = ()  # the model's, where a grammar may end
 
     def swap_ready(self) -> None:
         """A step boundary: swap in the graphs compiled since the last (every rank calls it at the same steps)."""

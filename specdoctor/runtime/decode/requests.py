@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.decode.adjustments import LogitAdjustments
+from specdoctor.runtime.decode.grammar import GrammarRequest
 from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
@@ -25,6 +26,7 @@ class SequenceRequest:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     adjustments: LogitAdjustments = LogitAdjustments()  # penalties, logit_bias, min_tokens
+    grammar: GrammarRequest | None = None  # structured output: what the output must match
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class GenerateRequest:
     # serve's warm-up with adaptive speculation: the steps cycle through every kind a served batch runs (speculative or
     # plain, each proposing drafts or only filling the drafter's cache), so each meets its graphs before any request
     every_step_kind: bool = False
+    grammar: GrammarRequest | None = None  # structured output, for every prompt
 
     def limits(self) -> list[int]:
         if isinstance(self.max_new_tokens, int):
@@ -53,7 +56,7 @@ class GenerateRequest:
             return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + row)
 
         return [
-            SequenceRequest(prompt, limit, seeded(row), self.eos_token_ids)
+            SequenceRequest(prompt, limit, seeded(row), self.eos_token_ids, grammar=self.grammar)
             for row, (prompt, limit) in enumerate(zip(self.prompts, self.limits(), strict=True))
         ]
 

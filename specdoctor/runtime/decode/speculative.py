@@ -17,6 +17,7 @@ import torch
 from specdoctor.runtime.cache.kv_cache import KVCache
 from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.compile import LayerGraphs
+from specdoctor.runtime.decode.grammar import real_draft
 from specdoctor.runtime.decode.rejection import PLACEHOLDER, verify_greedy, verify_random
 from specdoctor.runtime.faults import Faults
 from specdoctor.runtime.sampling import RowSampler, SamplingParams, greedy_tokens, probabilities, sample
@@ -222,20 +223,31 @@ def append_run(result, row: int, run: list[int], sequence, stop_in_draft_missed:
             return
 
 
-def commit(result, decision: list[list[int]], k: int, sequences, counted: list[bool], active=None, faults=Faults()):
+def commit(
+    result,
+    decision: list[list[int]],
+    k: int,
+    sequences,
+    counted: list[bool],
+    active=None,
+    faults=Faults(),
+    drafted: list[int] | None = None,
+):
     """Append each active sequence's emitted tokens, stopping at one of its stop token ids or its limit;
     returns which rows go on. decision: the step's, read to the host; its rows: [accepted n, emitted tokens (k+1,
-    padded), next drafts (k)]. `counted`: the rows whose drafts the metrics count. `faults`: the two that break
-    this (stop-in-draft-missed, eos-leak-past-max-tokens)."""
+    padded), next drafts (k)]. `counted`: the rows whose drafts the metrics count; `drafted`: how many drafts each
+    verified (k, or fewer where a grammar cut them: a step that verified none is no draft, as vLLM counts it).
+    `faults`: the two that break this (stop-in-draft-missed, eos-leak-past-max-tokens)."""
     active = active or [True] * len(result.tokens)
     still = []
     for row, (n, *rest) in enumerate(decision):
         if not active[row]:
             still.append(False)
             continue
-        if counted[row] and k:
-            result.metrics.record(n, k)
-            result.row_metrics[row].record(n, k)
+        verified = k if drafted is None else drafted[row]
+        if counted[row] and verified:
+            result.metrics.record(n, verified, k)
+            result.row_metrics[row].record(n, verified, k)
         sequence, run = sequences[row], rest[: n + 1]
         if faults.eos_leak_past_max_tokens and len(result.tokens[row]) + len(run) > sequence.max_new_tokens:
             result.tokens[row] += run  # the run that crosses the limit, whole: past it, and past any stop in it
@@ -244,5 +256,5 @@ def commit(result, decision: list[list[int]], k: int, sequences, counted: list[b
             append_run(result, row, run, sequence, faults.stop_in_draft_missed)
         still.append(not result.finish_reasons[row])
         if still[-1]:
-            result.proposals += rest[k + 1 :]  # the drafts this sequence's next step will verify
+            result.proposals += [real_draft(token) for token in rest[k + 1 :]]  # the drafter's, a grammar's cut too
     return still
