@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from specdoctor.probe.client import Probe, Served, first_choice
 from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.sampling_settings import SamplingSetting, merge_sparse_bins, rank_probabilities
-from specdoctor.probe.stats import ALPHA, calibration_p_value
+from specdoctor.probe.stats import ALPHA, Unit, calibration_p_value, fall_p_value
 from specdoctor.probe.verdicts import not_run, sweep_of
 from specdoctor.report import Finding, Sweep
 
@@ -63,6 +63,9 @@ class SampledSteps:
     outcomes: list[int] = field(default_factory=list)
     outside: int = 0
     undetermined: int = 0  # steps the unreported tail leaves open under this setting
+    # per reply: (tokens drawn at rank 1, tokens with a reported top): temperature and top-p keep the ranks, so every
+    # step counts here, those the unreported tail leaves open too
+    top_draws: list[Unit] = field(default_factory=list)
 
 
 def sampled_steps(replies: list[dict], setting: SamplingSetting) -> SampledSteps | str:
@@ -70,6 +73,7 @@ def sampled_steps(replies: list[dict], setting: SamplingSetting) -> SampledSteps
     (texts collide, and which do can depend on the token sampled, which would bias the bins)."""
     steps = SampledSteps()
     for reply in replies:
+        firsts, drawn = 0, 0
         logprobs = first_choice(reply).get("logprobs")
         if not logprobs or not logprobs.get("top_logprobs"):
             return "returns no top log-probabilities"
@@ -79,6 +83,7 @@ def sampled_steps(replies: list[dict], setting: SamplingSetting) -> SampledSteps
             ranked = sorted((top or {}).items(), key=lambda item: -item[1])[:SAMPLING_BINS]
             if len(ranked) < SAMPLING_BINS:  # a vocabulary smaller than the bins
                 continue
+            firsts, drawn = firsts + (ranked[0][0] == token), drawn + 1
             bins = rank_probabilities([value for _, value in ranked], setting)
             if bins is None:
                 steps.undetermined += 1
@@ -90,6 +95,7 @@ def sampled_steps(replies: list[dict], setting: SamplingSetting) -> SampledSteps
                 continue
             steps.probabilities.append(bins)
             steps.outcomes.append(outcome)
+        steps.top_draws.append((firsts, drawn))
     return steps
 
 
@@ -120,6 +126,7 @@ def calibration(probe: Probe, served: Served, tokens: int, prompts: list, settin
         "df": 0,
         "p_value": 0.0,  # a token the setting gives no chance: impossible under a sampler that applies it
         "drafted": window.drafted,
+        "top_draws": steps.top_draws,
         **point_figures(window),
     }
     if merged:  # the bins by rank, the last one holding every rank folded into it
@@ -137,22 +144,52 @@ def point_figures(window) -> dict:
 
 def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list) -> Sweep:
     """One calibration per setting asked for; the sweep fails where any setting's output is not the distribution
-    the server reports, transformed to that setting."""
+    the server reports, transformed to that setting. With a reference (speculation off), each setting is sampled
+    there too, and the two samples compared."""
     points, findings, summaries = [], [], []
+    alpha = ALPHA / len(options.sampling_settings)
     for setting in options.sampling_settings:
         result = calibration(probe, served, options.sampling_tokens, prompts, setting)
         if isinstance(result, str):
             return not_run("sampling", result)
         if not result["drafted"]:
             return not_run("sampling", "no draft was proposed for the sampled requests: speculation was not tested")
+        summary = f"{setting.label}: {result['tokens']} tokens, p = {result['p_value']:.2g}"
+        reference = None
+        if options.reference_url:
+            other = Probe(probe.options, options.reference_url)
+            reference = calibration(other, other.served_model(), options.sampling_tokens, prompts, setting)
+            if isinstance(reference, dict):
+                findings += two_sample_findings(options.reference_url, setting, result, reference, alpha)
+                summary += f", against speculation off p = {result['two_sample_p_value']:.2g}"
         points.append({"label": f"{probe.url} at {setting.label}", **result})
-        summaries.append(f"{setting.label}: {result['tokens']} tokens, p = {result['p_value']:.2g}")
-        if result["p_value"] < ALPHA / len(options.sampling_settings):
-            findings.append(sampling_finding(probe, served, options, prompts, setting, result, points))
+        if isinstance(reference, dict):
+            points.append({"label": f"{options.reference_url} at {setting.label}", **reference})
+        summaries.append(summary)
+        if result["p_value"] < alpha:
+            findings.append(sampling_finding(options, setting, result, reference))
     return sweep_of("sampling", "; ".join(summaries), points[0]["source"], points, findings)
 
 
-def sampling_finding(probe, served, options, prompts, setting, result, points) -> Finding:
+def two_sample_findings(reference_url: str, setting, result: dict, reference: dict, alpha: float) -> list[Finding]:
+    """The server's sample against the reference's at one setting: how often each drew the token its own reported
+    distribution ranks first, the request as the unit (a sampler that keeps the setting's distribution draws it as
+    often with speculation as without); an error where the two differ at `alpha`, two-sided."""
+    ours, theirs = result["top_draws"], reference["top_draws"]
+    p_value = min(1.0, 2 * min(fall_p_value(theirs, ours), fall_p_value(ours, theirs)))
+    result["two_sample_p_value"] = p_value
+    if p_value >= alpha:
+        return []
+    share = [sum(x for x, _ in units) / max(1, sum(n for _, n in units)) for units in (ours, theirs)]
+    message = (
+        f"at {setting.label}, the token its own distribution ranks first was drawn {share[0]:.1%} of the time, "
+        f"{share[1]:.1%} without speculation ({reference_url}): two-sample, request as the unit, p = {p_value:.1e} "
+        f"< {alpha:.1g}"
+    )
+    return [Finding("probe.sampling", "error", message, SAMPLING_HINT, "sampling", result)]
+
+
+def sampling_finding(options: SweepOptions, setting, result: dict, reference: dict | str | None) -> Finding:
     """The setting's output is off its distribution; with a reference, the same test without speculation tells
     the sampler from the speculation."""
     alpha = ALPHA / len(options.sampling_settings)
@@ -169,14 +206,8 @@ def sampling_finding(probe, served, options, prompts, setting, result, points) -
             f"(p = {result['p_value']:.1e} < {alpha:.1g})"
         )
     severity = "error"
-    if options.reference_url:
-        reference = calibration(
-            Probe(probe.options, options.reference_url), served, options.sampling_tokens, prompts, setting
-        )
-        if isinstance(reference, dict):
-            points.append({"label": f"{options.reference_url} at {setting.label}", **reference})
-            if reference["p_value"] < alpha:
-                severity, message = "warning", message + "; the reference fails too: the sampler, not speculation"
+    if isinstance(reference, dict) and reference["p_value"] < alpha:
+        severity, message = "warning", message + "; the reference fails too: the sampler, not speculation"
     return Finding("probe.sampling", severity, message, SAMPLING_HINT, "sampling", result)
 
 

@@ -12,6 +12,8 @@ import pytest
 from specdoctor.checks.acceptance import broken_position0_limit
 from specdoctor.probe.acceptance_sweeps import CONTEXT_KEEP, CONTEXT_SIZED_FOR, compare_groups
 from specdoctor.probe.client import Window
+from specdoctor.probe.output_sweeps import two_sample_findings
+from specdoctor.probe.sampling_settings import SamplingSetting
 from specdoctor.probe.stats import (
     ALPHA,
     POWER,
@@ -159,3 +161,28 @@ def test_a_sized_context_sweep_has_its_stated_power_and_its_stated_false_positiv
         edge += fall_p_value(reference, at_keep, CONTEXT_KEEP, paired=True) < alpha
     assert found / runs >= POWER, (m, found)
     assert edge / runs <= alpha + 3 * (alpha * (1 - alpha) / runs) ** 0.5, (m, edge)
+
+
+def two_sample(ours: list[tuple[int, int]], theirs: list[tuple[int, int]], alpha: float = ALPHA) -> list:
+    result = {"top_draws": ours}
+    return two_sample_findings("http://reference", SamplingSetting(0.6, 0.95), result, {"top_draws": theirs}, alpha)
+
+
+def test_the_two_sample_sampling_test_is_an_error_at_its_alpha_and_not_just_before_it():
+    """Eight requests a side drawing the first-ranked token 60 of 128 times against the reference's 60 + d: the
+    smallest d that is an error at ALPHA, its p-value just under, d - 1's just over; either way round (two-sided),
+    and the same counts on both sides are never one. A sample as clustered as its requests' spread says is a wider
+    one: the same mean shift is weaker where the requests differ among themselves."""
+    ours = [(60, 128)] * 4 + [(58, 128), (62, 128)] * 2
+    shift = next(d for d in range(1, 68) if two_sample(ours, [(x + d, n) for x, n in ours]))
+    found = two_sample(ours, [(x + shift, n) for x, n in ours])
+    assert found[0].severity == "error" and "without speculation (http://reference)" in found[0].message
+    just_over = {"top_draws": ours}
+    assert not two_sample_findings(
+        "r", SamplingSetting(0.6, 0.95), just_over, {"top_draws": [(x + shift - 1, n) for x, n in ours]}, ALPHA
+    )
+    assert just_over["two_sample_p_value"] >= ALPHA > found[0].data["two_sample_p_value"]
+    assert two_sample([(x + shift, n) for x, n in ours], ours)  # the other way round
+    assert not two_sample(ours, ours)
+    spread = [(30, 128), (90, 128)] * 4  # the same 60 a request on average, spread across requests
+    assert not two_sample(spread, [(x + shift, n) for x, n in spread])

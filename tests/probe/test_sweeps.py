@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdoctor.probe.acceptance_sweeps import context_lengths
-from specdoctor.probe.options import SweepOptions
+from specdoctor.probe.options import DEFAULT_SAMPLING_TOKENS, SweepOptions
 from specdoctor.probe.output_sweeps import divergence
 from specdoctor.probe.stats import calibration_p_value
 from specdoctor.runtime.decode.rejection import verify_random
@@ -52,16 +52,20 @@ def test_every_sweep_passes_on_a_healthy_server(servers, tmp_path):
     assert len(context) == 3 and context[-1]["metrics"]["num_drafts"] > 0
     assert int(context[-1]["label"].split()[0].replace(",", "")) > 1000
     assert [p["label"] for p in sweeps["concurrency"]["points"]] == ["1 in flight", "4 in flight", "16 in flight"]
-    sampling = sweeps["sampling"]["points"]  # temperature 1 and the chat defaults, 600 tokens sampled at each
+    # temperature 1 and the chat defaults, 600 tokens sampled at each, then as many by the reference at each
+    points = sweeps["sampling"]["points"]
+    sampling = [p for p in points if p["label"].startswith(servers["healthy"].url)]
     settings = ["temperature 1", "temperature 0.6, top-p 0.95", "temperature 0.8, top-p 0.95"]
     assert [p["setting"] for p in sampling] == settings and all(p["outside"] == 0 for p in sampling)
+    assert [p["label"] for p in points if p not in sampling] == [f"{reference} at {s}" for s in settings]
+    assert all(p["two_sample_p_value"] >= 0.001 / 3 for p in sampling)
     # the demo's distributions are flat: at 0.6 and 0.8 most steps' nucleus reaches past the reported top 5
     assert all(p["tokens"] + p["undetermined"] >= 600 and p["tokens"] > 0 for p in sampling)
     assert sweeps["reference"]["summary"].endswith("9 of 9 prompts")
     assert {f"probe.{name}": False for name in SWEEPS}.items() <= junit_cases(junit).items()
     # The HTML report in a real browser: the battery's bars, context's curve and bars, the prefix cache's and
-    # concurrency's bars, and the sampling calibration at each setting, every one loaded.
-    assert images_loaded(html, tmp_path / "profile") == (8, 8)
+    # concurrency's bars, and the sampling calibration at each setting, the reference's too, every one loaded.
+    assert images_loaded(html, tmp_path / "profile") == (11, 11)
     # the API sweep as a table: a row per check, its verdict and evidence
     page = html.read_text()
     assert "<th>check</th><th>requests</th><th>verdict</th><th>evidence</th>" in page
@@ -88,6 +92,26 @@ def test_each_fault_fails_the_sweep_that_finds_it(servers, args, sweep, evidence
     if sweep == "context":  # dummy drafts past the fault's length: hardly anything is accepted there
         assert DUMMY_PAST < int(errors[0]["data"]["from"].split()[0].replace(",", ""))  # the bucket's mean length
         assert report["sweeps"][0]["points"][-1]["metrics"]["per_position_acceptance_rate"][0] < 0.1
+
+
+def test_a_sampler_at_temperature_1_whatever_was_asked_draws_unlike_speculation_off(servers):
+    """sampling-params-ignored alone, at temperature 0.6 with top-p 0.95 and the default size, against the demo at k 0
+    sampling the same: the server draws the token its own distribution ranks first far less often than speculation
+    off does (temperature 1's flatter distribution: 37 % against 70 %), found by the two-sample test with the
+    request as the unit (p near 1e-7 at this size; at 600 tokens, 5 requests a side, p was 3.6e-5 once and 0.0034
+    the next time)."""
+    server = Server("--pp", "2", "--fault", "sampling-params-ignored", "--allow-unhealthy")
+    try:
+        sampling = ("--sampling", str(DEFAULT_SAMPLING_TOKENS), "--sampling-settings", "0.6:0.95")
+        args = (*sampling, "--reference-url", servers["off"].url)
+        result = probe(server.url, *args, "--json", "-")
+    finally:
+        server.stop()
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    errors = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "error"]
+    two_sample = [f for f in errors if "without speculation" in f["message"]]
+    assert len(two_sample) == 1 and two_sample[0]["data"]["two_sample_p_value"] < 0.001, result.stdout[-3000:]
+    assert {f["check"] for f in errors} == {"probe.sampling"}
 
 
 def test_a_prefix_cache_that_loses_the_drafters_context_fails_the_prefix_cache_sweep():
