@@ -18,6 +18,7 @@ from specdoctor.probe.api_common import (
     Asker,
     Plain,
     parting,
+    refused,
     refused_check,
     verdict_of,
 )
@@ -74,6 +75,69 @@ def resent_cases(asker: Asker, plain: Plain) -> list[tuple[str, str | None]]:
             why = f"{value:.3f} in the output, {fresh:.3f} as the next token of the same ids" if off else None
         cases.append((f"prompt {p + 1}, token {i}", why))
     return cases
+
+
+def prompt_logprobs_check(asker: Asker, plain: Plain) -> ApiCheck:
+    """vLLM's `prompt_logprobs` over each prompt followed by its own plain output: at the output's positions the
+    prompt pass's values must be the ones the reply reported as it generated them (through drafts and verification),
+    within the tie margin; with a reference, the reference's for the same prompt. Refused (400): not run; a reply
+    without them: the server ignores the field, not run."""
+    label, due = "prompt_logprobs", []
+    for p, reply in enumerate(plain.own):
+        choice, ids = first_choice(reply), output_ids(reply) or []
+        values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if isinstance(choice.get("prompt_token_ids"), list) and len(values) == len(ids) and ids:
+            due.append((p, choice["prompt_token_ids"], ids, values))
+    if not due:
+        return ApiCheck(label, "logprobs", 0, NOT_RUN, "the server names no prompt_token_ids: nothing to send again")
+    requests = [asker.body(prompt + ids, {"max_tokens": 1, "prompt_logprobs": 1}) for _, prompt, ids, _ in due]
+    replies = asker.ask(requests)
+    if refusal := refused_check(label, "logprobs", replies):
+        return refusal
+    if all(
+        "error" not in again and again.get("choices") and first_choice(again).get("prompt_logprobs") is None
+        for again in replies
+    ):
+        return ApiCheck(label, "logprobs", len(requests), NOT_RUN, "the server ignores prompt_logprobs (none returned)")
+    theirs = asker.ask(requests, reference=True) if asker.reference else [None] * len(requests)
+    cases = []
+    for (p, prompt, ids, values), again, reference in zip(due, replies, theirs, strict=True):
+        shown = prompt_values(again, prompt + ids)
+        if isinstance(shown, str):
+            cases.append((f"prompt {p + 1}", shown))
+            continue
+        found = shown[len(prompt) - 1 :]  # the output's positions
+        off = next((i for i, (a, b) in enumerate(zip(values, found, strict=True)) if abs(a - b) > TIE_MARGIN), None)
+        why = None if off is None else f"token {off}: {values[off]:.3f} as generated, {found[off]:.3f} in the prompt"
+        if why is None and reference is not None and not refused(reference):
+            why = reference_parting(shown, prompt_values(reference, prompt + ids))
+        cases.append((f"prompt {p + 1}", why))
+    return verdict_of(label, "logprobs", cases)
+
+
+def reference_parting(shown: list[float], theirs: list[float] | str) -> str | None:
+    if isinstance(theirs, str):
+        return f"the reference: {theirs}"
+    far = next((i for i, (a, b) in enumerate(zip(shown, theirs, strict=True)) if abs(a - b) > TIE_MARGIN), None)
+    return None if far is None else f"prompt token {far + 1}: {shown[far]:.3f}, {theirs[far]:.3f} with speculation off"
+
+
+def prompt_values(reply: dict, ids: list[int]) -> list[float] | str:
+    """Each prompt token's log-probability from the second, as the reply's `prompt_logprobs` give it, or why not."""
+    if "error" in reply:
+        return reply["error"]
+    entries = first_choice(reply).get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        return (
+            f"prompt_logprobs hold {len(entries) if isinstance(entries, list) else 'no'} entries for {len(ids)} tokens"
+        )
+    values = []
+    for token, entry in zip(ids[1:], entries[1:], strict=True):
+        found = (entry or {}).get(str(token))
+        if not isinstance(found, dict) or "logprob" not in found:
+            return f"prompt token {token} has no entry of its own"
+        values.append(found["logprob"])
+    return values
 
 
 def logprob_mismatch(mine: list, tops: list, theirs: list, reply: dict, expected: dict) -> str | None:

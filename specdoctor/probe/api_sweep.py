@@ -1,5 +1,6 @@
 """The request API under speculation (docs/probe.md, "API sweep"): stop strings and stop token ids, max_tokens
-landing mid-run, min_tokens, log-probabilities, logit bias, penalties and seeds, all greedy except the seed's check.
+landing mid-run, min_tokens, log-probabilities (of the output and of the prompt), logit bias, penalties, structured
+output and seeds, all greedy except the seed's check.
 
 What a request must return follows from the same prompt's plain greedy output (a stop string cuts it where the
 string begins, max_tokens keeps its first tokens): with --reference-url that output is the reference's, speculation
@@ -13,7 +14,7 @@ near tie of the plain output (TIE_MARGIN) is numerics, not a failure."""
 from __future__ import annotations
 
 from specdoctor.probe.api_common import API_PROMPTS, FAILED, HINTS, NOT_RUN, PASSED, PENALTIES, Asker
-from specdoctor.probe.api_logit_checks import logit_bias_check, logprobs_check, penalty_check
+from specdoctor.probe.api_logit_checks import logit_bias_check, logprobs_check, penalty_check, prompt_logprobs_check
 from specdoctor.probe.api_output_checks import (
     max_tokens_check,
     min_tokens_check,
@@ -43,6 +44,7 @@ def api_sweep(probe: Probe, served: Served, options: SweepOptions, prompts: list
         stop_ids_check(asker, prompts, plain),
         min_tokens_check(asker, prompts, plain),
         logprobs,
+        prompt_logprobs_check(asker, plain),
         logit_bias_check(asker, prompts, plain),
         *(penalty_check(asker, battery, plain, name, value, trusted) for name, value in PENALTIES.items()),
         *structured_checks(asker, prompts, plain),

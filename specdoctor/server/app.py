@@ -165,6 +165,8 @@ def make_jobs(
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
     logprobs, grammar = body.logprob_count(), body.grammar()
+    if body.stream and body.prompt_logprobs is not None:
+        raise RequestError("prompt_logprobs are not available when stream=True (as in vLLM)", "prompt_logprobs")
     jobs = []
     for prompt in prompts:
         ids = prompt_ids(state, prompt)
@@ -179,7 +181,9 @@ def make_jobs(
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)
-            sequence = SequenceRequest(ids, max_tokens, sampling, stop_ids, logprobs, adjustments, grammar)
+            sequence = SequenceRequest(
+                ids, max_tokens, sampling, stop_ids, logprobs, adjustments, grammar, body.prompt_logprobs
+            )
             jobs.append(Job(sequence))
     return jobs
 

@@ -31,7 +31,6 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,),
     "echo": (False,),
     "suffix": ("",),
-    "prompt_logprobs": (),
     "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
@@ -124,6 +123,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: each prompt token's log-probability (from the second) and this many top alternatives; not streamed.
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured output (runtime/decode/grammar.py): OpenAI's field, or vLLM's; not both.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -137,8 +137,28 @@ class Reply:
         for index, job in enumerate(self.jobs):
             text, reason = self.finish(job)
             choices.append(self.choice(index, text, reason, False, (0, len(job.tokens))))
+            if job.sequence.prompt_logprobs is not None and not self.chat:  # vLLM's: on each completion choice
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(job)
         spec = combined([job.metrics for job in self.jobs])
-        return {**self.envelope(choices, chunk=False), "usage": self.usage(), **self.spec_fields(spec)}
+        whole = {**self.envelope(choices, chunk=False), "usage": self.usage(), **self.spec_fields(spec)}
+        if self.chat and self.jobs[0].sequence.prompt_logprobs is not None:  # and on a chat reply, once
+            whole["prompt_logprobs"] = self.prompt_logprobs(self.jobs[0])
+        return whole
+
+    def prompt_logprobs(self, job: Job) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per token its entry (log-probability, rank in the
+        vocabulary, text) and its top alternatives', keyed by token id."""
+
+        def entry(value: float, rank: int, token: int) -> dict:
+            return {"logprob": shown(value), "rank": rank, "decoded_token": self.token_label(token)}
+
+        shaped: list[dict | None] = [None]
+        for token, (value, rank, top) in zip(job.sequence.prompt[1:], job.prompt_logprobs or [], strict=True):
+            found = {str(token): entry(value, rank, token)}
+            for place, (alternative, logprob) in enumerate(top, start=1):
+                found.setdefault(str(alternative), entry(logprob, place, alternative))
+            shaped.append(found)
+        return shaped
 
     def record_failure(self) -> None:
         for job in self.jobs:

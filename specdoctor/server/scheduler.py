@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdoctor.runtime.decode.continuous import RowUpdate
-from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.logprobs import PromptLogprob, TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.engine import Engine
@@ -36,6 +36,7 @@ class Job:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     cached_tokens: int = 0  # prompt tokens prefix caching restored
+    prompt_logprobs: list[PromptLogprob] | None = None  # when the request asked
     finish_reason: str | None = None
     future: asyncio.Future | None = None
 
@@ -153,6 +154,7 @@ class ContinuousScheduler:
             job.tokens += update.new_tokens
             job.logprobs += update.new_logprobs
             job.metrics, job.cached_tokens = update.metrics, update.cached_tokens
+            job.prompt_logprobs = job.prompt_logprobs or update.prompt_logprobs
             reason = update.finish_reason
             try:
                 stopping = reason is None and job.should_stop is not None and job.should_stop(job.tokens)

@@ -358,6 +358,7 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "stop token ids": "passed",
         "min_tokens": "passed",
         "logprobs": "passed",
+        "prompt_logprobs": "passed",
         "logit_bias": "not run",
         "presence_penalty 1.5": "passed",
         "frequency_penalty 1": "passed",

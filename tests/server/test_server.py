@@ -208,6 +208,27 @@ def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
             if line.startswith("data: {"):
                 streamed += json.loads(line[6:])["choices"][0]["logprobs"]["token_logprobs"]
     assert streamed == whole["token_logprobs"]
+    # vLLM's prompt_logprobs: every prompt token from the second, its rank in the vocabulary, and the top 3, from the
+    # prompt pass computed whole (no cached blocks), as transformers gives them
+    asked = {**body, "max_tokens": 1, "prompt_logprobs": 3}
+    shown = httpx.post(f"{server.url}/v1/completions", json=asked, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    with torch.no_grad():
+        prompt = reference(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    assert shown[0] is None and len(shown) == len(ids)
+    for position, (token, found) in enumerate(zip(ids[1:], shown[1:], strict=True)):
+        mine = found[str(token)]
+        assert mine["logprob"] == pytest.approx(float(prompt[position, token]), abs=1e-4)
+        assert mine["rank"] == int((prompt[position] > prompt[position, token]).sum()) + 1
+        best = prompt[position].topk(3)
+        for rank, (alternative, value) in enumerate(zip(best.indices.tolist(), best.values.tolist(), strict=True), 1):
+            assert found[str(alternative)] == {
+                "logprob": pytest.approx(value, abs=1e-4),
+                "rank": rank,
+                "decoded_token": demo_codec().decode([alternative]),
+            }
+        assert len(found) == 3 + (mine["rank"] > 3)
+    streamed_prompt = httpx.post(f"{server.url}/v1/completions", json={**asked, "stream": True}, timeout=60)
+    assert streamed_prompt.status_code == 400 and streamed_prompt.json()["error"]["param"] == "prompt_logprobs"
     messages = [{"role": "user", "content": "def main():"}]
     chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     content = httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]

@@ -18,7 +18,7 @@ from specdoctor.runtime.cache.regroup import joined_rows
 from specdoctor.runtime.comm import PipelineComm
 from specdoctor.runtime.decode.adjustments import adjusted_logits
 from specdoctor.runtime.decode.grammar import RowGrammars, batch_grammars, real_drafts, verified_counts
-from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs
+from specdoctor.runtime.decode.logprobs import TokenLogprob, emitted_logprobs, prompt_logprobs
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel, pad_right, pipeline_pass
 from specdoctor.runtime.decode.rejection import PLACEHOLDER
@@ -45,7 +45,11 @@ class BatchState:
         # With prefix caching, each prompt's leading blocks found in the store (the prompt pass starts past them).
         store = model.prefix_store
         self.hashes = [block_hashes(s.prompt) if store else [] for s in sequences]
-        hits = [store.hits(hashes, drafter=bool(k)) * BLOCK_SIZE if store else 0 for hashes in self.hashes]
+        # A prompt whose log-probabilities are asked for is computed whole, as vLLM computes it (no cached blocks).
+        hits = [
+            store.hits(hashes, drafter=bool(k)) * BLOCK_SIZE if store and s.prompt_logprobs is None else 0
+            for s, hashes in zip(sequences, self.hashes, strict=True)
+        ]
         self.cached = torch.tensor(hits, device=model.device)
         pass_end = int(self.cached.max()) + int((self.lengths - self.cached).max())  # a padded pass writes to here
         # An active row has filled <= prompt + max_new - 2; a step writes up to k + (k - 1) positions past it.
@@ -64,6 +68,7 @@ class BatchState:
         self.result.row_metrics = [SpecMetrics() for _ in range(batch)]
         self.result.logprobs = [[] for _ in range(batch)]
         self.result.cached_tokens = hits
+        self.result.prompt_logprobs = [None] * batch
         self.pending_logprobs: dict[int, list[TokenLogprob]] = {}  # the last step's, until committed
         self.decision = torch.empty(batch, 2 * k + 2, dtype=torch.long, device=model.device)
         self.filled = self.lengths.clone()  # positions [0, filled) hold valid KV entries on every rank
@@ -95,6 +100,16 @@ class BatchState:
             emitted = self.decision[:, 1 : 1 + logits.shape[1]]  # [B, T]: emitted token j came from position j
             self.pending_logprobs = emitted_logprobs(logits, emitted, wanted)
 
+    def note_prompt_logprobs(self, final: torch.Tensor) -> None:
+        """On the last rank, in the prompt pass: the prompt's log-probabilities for each row that asked (its pass
+        started at position 0: no cached blocks), each position's logits computed there alone."""
+        for row, sequence in enumerate(self.sequences):
+            if sequence.prompt_logprobs is not None:
+                length = len(sequence.prompt)
+                logits = self.model.stage.lm_head(final[row : row + 1, : length - 1])[0]  # [L - 1, V]
+                entries = prompt_logprobs(logits, self.ids[row, 1:length], sequence.prompt_logprobs)
+                self.result.prompt_logprobs[row] = entries
+
     def prefill(self) -> None:
         """The prompts through every rank (past their cached blocks); the last rank picks the first token and the
         first drafts. With prefix caching, the prompts' blocks are kept for later prompts."""
@@ -113,6 +128,7 @@ class BatchState:
         if model.placement.is_last:
             rows, last = torch.arange(batch, device=model.device), computed - 1
             final = model.stage.model.norm(hidden)  # [B, T, H]: an MTP drafter is fed the final-normed states
+            self.note_prompt_logprobs(final)
             logits = self.constrained(model.stage.lm_head(final[rows, last][:, None]), None)  # [B, 1, V]: the last's
             first = speculative_step(self.adjusted(logits, None), None, None, None, self.sampler)  # [B, 2]
             self.decision.fill_(PLACEHOLDER)
@@ -254,6 +270,7 @@ class BatchState:
         joined.result.row_metrics = kept([m for b in batches for m in b.result.row_metrics])
         joined.result.logprobs = kept([entries for b in batches for entries in b.result.logprobs])
         joined.result.cached_tokens = kept([n for b in batches for n in b.result.cached_tokens])
+        joined.result.prompt_logprobs = kept([p for b in batches for p in b.result.prompt_logprobs])
         joined.pending_logprobs = {}
         joined.ids = joined.lengths = None
         return joined

@@ -17,7 +17,7 @@ import torch
 
 from specdoctor.runtime.decode.adaptive import SpeculationPolicy
 from specdoctor.runtime.decode.batch import BatchState
-from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.logprobs import PromptLogprob, TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.decode.pipeline import RankModel
 from specdoctor.runtime.decode.requests import SequenceRequest
@@ -34,6 +34,7 @@ class RowUpdate:
     metrics: SpecMetrics
     new_logprobs: list[TokenLogprob]  # one per new token when the request asked for log-probabilities
     cached_tokens: int = 0  # prompt tokens prefix caching restored
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the request's first tokens, where it asked
 
 
 class RunningBatch:
@@ -99,8 +100,14 @@ class RunningBatch:
             tokens, reason = result.tokens[row], result.finish_reasons[row] or None
             if len(tokens) > self.reported[row] or reason:
                 new = slice(self.reported[row], None)
+                prompt, result.prompt_logprobs[row] = result.prompt_logprobs[row], None  # sent once
                 news[request_id] = RowUpdate(
-                    tokens[new], reason, result.row_metrics[row], result.logprobs[row][new], result.cached_tokens[row]
+                    tokens[new],
+                    reason,
+                    result.row_metrics[row],
+                    result.logprobs[row][new],
+                    result.cached_tokens[row],
+                    prompt,
                 )
                 self.reported[row] = len(tokens)
         self._keep([row for row, active in enumerate(self.batch.active) if active])
@@ -153,6 +160,7 @@ def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> 
             update.metrics,
             before[request_id].new_logprobs + update.new_logprobs,
             update.cached_tokens,
+            before[request_id].prompt_logprobs or update.prompt_logprobs,
         )
         if request_id in before
         else update

@@ -8,6 +8,8 @@ import torch
 
 # One emitted token: its log-probability and the `top` most likely tokens with theirs, best first.
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+# One prompt token (from the second): its log-probability, its rank in the vocabulary (1: the likeliest), the top.
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 def emitted_logprobs(
@@ -27,3 +29,16 @@ def emitted_logprobs(
             for j in range(len(chosen))
         ]
     return entries
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[PromptLogprob]:
+    """One prompt's entries, as vLLM's `prompt_logprobs` reports them (raw): `logits` [T, V] at its positions 0 to
+    T - 1, `tokens` [T] the prompt tokens 1 to T each position chose."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(-1, tokens[:, None])  # [T, 1]
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [
+        (value, rank, list(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True)) if best else [])
+        for j, (value, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks, strict=True))
+    ]

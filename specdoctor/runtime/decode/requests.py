@@ -10,7 +10,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.config import ModelConfig
 from specdoctor.runtime.decode.adjustments import LogitAdjustments
 from specdoctor.runtime.decode.grammar import GrammarRequest
-from specdoctor.runtime.decode.logprobs import TokenLogprob
+from specdoctor.runtime.decode.logprobs import PromptLogprob, TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.runtime.options import MAX_SPECULATIVE_TOKENS, DraftSampleMethod
 from specdoctor.runtime.sampling import SamplingParams
@@ -27,6 +27,7 @@ class SequenceRequest:
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     adjustments: LogitAdjustments = LogitAdjustments()  # penalties, logit_bias, min_tokens
     grammar: GrammarRequest | None = None  # structured output: what the output must match
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top alternatives
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class GenerateResult:
     rank_times: list[dict[str, float]] = field(default_factory=list)  # per rank: where the time went (STEP_PHASES)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
     cached_tokens: list[int] = field(default_factory=list)  # per row: prompt tokens restored by prefix caching
+    prompt_logprobs: list[list[PromptLogprob] | None] = field(default_factory=list)  # per row that asked (last rank)
 
 
 # Where a rank's time goes: the prompt pass, then per decode step its share of the target forward
