@@ -16,7 +16,13 @@ from benchmarks.api_false_positives import verdicts_and_evidence
 from benchmarks.common import add_json_option, write_json
 from tests.helpers.servers import SpecdoctorServer
 
-FAULTS = ("penalties-per-step", "logprobs-of-draft", "stop-in-draft-missed", "eos-leak-past-max-tokens")
+FAULTS = (
+    "penalties-per-step",
+    "logprobs-of-draft",
+    "stop-in-draft-missed",
+    "eos-leak-past-max-tokens",
+    "grammar-no-rollback",
+)
 
 
 def main() -> None:

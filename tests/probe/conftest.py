@@ -11,8 +11,7 @@ FAULTS = (
     f"drafter-max-position={DUMMY_PAST}",
     "stale-batch-rows",
     "rejection-reuse-uniform",
-    "sampling-params-ignored",  # at temperature 1 it changes nothing: the other sampling fault's test is its own
-)
+)  # sampling-params-ignored has a server of its own (test_sweeps.py): this one's rejection-reuse-uniform masks it
 
 
 @pytest.fixture(scope="package")
