@@ -50,17 +50,24 @@ def logprobs_check(asker: Asker, plain: Plain) -> ApiCheck:
     return checked
 
 
+def generated(plain: Plain) -> list[tuple[int, list[int], list[int], list[float]]]:
+    """Each plain reply that names its prompt's ids and a log-probability per output token: (prompt index, prompt
+    ids, output ids, the output's log-probabilities)."""
+    found = []
+    for p, reply in enumerate(plain.own):
+        choice, ids = first_choice(reply), output_ids(reply) or []
+        values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if isinstance(choice.get("prompt_token_ids"), list) and len(values) == len(ids):
+            found.append((p, choice["prompt_token_ids"], ids, values))
+    return found
+
+
 def resent_cases(asker: Asker, plain: Plain) -> list[tuple[str, str | None]]:
     """A token's log-probability inside the output against the same position computed as a prompt's next token
     (the prompt's ids and the output's before it, max_tokens 1): no draft there, so a value reported from the
     drafter's distribution, or from the wrong position, differs."""
     due = []
-    for p, reply in enumerate(plain.own):
-        choice, ids = first_choice(reply), output_ids(reply) or []
-        values = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        prompt_ids = choice.get("prompt_token_ids")
-        if not isinstance(prompt_ids, list) or len(values) != len(ids):
-            continue
+    for p, prompt_ids, ids, values in generated(plain):
         step = max(1, len(ids) // RESENT_POSITIONS)
         due += [(p, i, prompt_ids + ids[:i], ids[i], values[i]) for i in range(1, len(ids), step)]
     replies = asker.ask([asker.body(prompt, {"max_tokens": 1}) for _, _, prompt, _, _ in due])
@@ -82,12 +89,7 @@ def prompt_logprobs_check(asker: Asker, plain: Plain) -> ApiCheck:
     prompt pass's values must be the ones the reply reported as it generated them (through drafts and verification),
     within the tie margin; with a reference, the reference's for the same prompt. Refused (400): not run; a reply
     without them: the server ignores the field, not run."""
-    label, due = "prompt_logprobs", []
-    for p, reply in enumerate(plain.own):
-        choice, ids = first_choice(reply), output_ids(reply) or []
-        values = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        if isinstance(choice.get("prompt_token_ids"), list) and len(values) == len(ids) and ids:
-            due.append((p, choice["prompt_token_ids"], ids, values))
+    label, due = "prompt_logprobs", [entry for entry in generated(plain) if entry[2]]
     if not due:
         return ApiCheck(label, "logprobs", 0, NOT_RUN, "the server names no prompt_token_ids: nothing to send again")
     requests = [asker.body(prompt + ids, {"max_tokens": 1, "prompt_logprobs": 1}) for _, prompt, ids, _ in due]

@@ -148,6 +148,8 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
     there too, and the two samples compared."""
     points, findings, summaries = [], [], []
     alpha = ALPHA / len(options.sampling_settings)
+    other = probe.sibling(options.reference_url) if options.reference_url else None
+    other_served = other.served_model() if other else None
     for setting in options.sampling_settings:
         result = calibration(probe, served, options.sampling_tokens, prompts, setting)
         if isinstance(result, str):
@@ -156,9 +158,8 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
             return not_run("sampling", "no draft was proposed for the sampled requests: speculation was not tested")
         summary = f"{setting.label}: {result['tokens']} tokens, p = {result['p_value']:.2g}"
         reference = None
-        if options.reference_url:
-            other = Probe(probe.options, options.reference_url)
-            reference = calibration(other, other.served_model(), options.sampling_tokens, prompts, setting)
+        if other:
+            reference = calibration(other, other_served, options.sampling_tokens, prompts, setting)
             if isinstance(reference, dict):
                 findings += two_sample_findings(options.reference_url, setting, result, reference, alpha)
                 summary += f", against speculation off p = {result['two_sample_p_value']:.2g}"

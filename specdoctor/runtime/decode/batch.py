@@ -76,14 +76,16 @@ class BatchState:
         self.speculating = False  # every row's pending decision holds drafts: the next step verifies them
         self.stepped_speculatively = False
         self.stand_in_drafts = [False] * batch  # rows whose drafts the next step verifies are DUMMY_DRAFT (regroup)
-        self.verified: torch.Tensor | None = None  # [B] the drafts the last step verified (a grammar cuts some)
+        self.verified: torch.Tensor | None = None  # [B] the drafts the last step verified, where a grammar cut some
 
     def commit(self, count_metrics: bool) -> None:
         before = [len(tokens) for tokens in self.result.tokens]
         counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
-        verified = self.verified if self.verified is not None else torch.full_like(self.decision[:, 0], self.k)
-        read = torch.cat([self.decision, verified[:, None]], dim=1).tolist()  # the step's one read from the device
-        decision, drafted = [row[:-1] for row in read], [row[-1] for row in read]
+        if self.verified is None:  # no grammar cut this step's drafts: each row verified k
+            decision, drafted = self.decision.tolist(), None  # the step's one read from the device
+        else:
+            read = torch.cat([self.decision, self.verified[:, None]], dim=1).tolist()  # one read all the same
+            decision, drafted = [row[:-1] for row in read], [row[-1] for row in read]
         self.active = commit(
             self.result, decision, self.k, self.sequences, counted, self.active, self.model.faults, drafted
         )
@@ -158,8 +160,9 @@ class BatchState:
         model, k, decision = self.model, self.k, self.decision
         speculate = self.speculating
         tokens = decision.gather(1, 1 + decision[:, :1])
-        drafted = real_drafts(decision[:, k + 2 :])
-        self.verified = verified_counts(decision[:, k + 2 :]) if speculate else None
+        drafted, self.verified = decision[:, k + 2 :], None
+        if speculate and any(sequence.grammar is not None for sequence in self.sequences):  # some may be cut
+            drafted, self.verified = real_drafts(drafted), verified_counts(drafted)
         if speculate:
             tokens = torch.cat([tokens, drafted], dim=1)
         positions = self.filled[:, None] + torch.arange(tokens.shape[1], device=model.device)  # [B, T]
