@@ -179,10 +179,7 @@ class LayerGraphs:
             warning = f"{self.name}: {RECOMPILE_LIMIT} graphs, no more: passes no graph takes run eager"
             return JobOutcome(warning=None if said else warning)
         try:
-            # floats as constants: one trace, no restart; sizes that happen to be equal (a batch of 2 and 2 KV heads,
-            # a prompt pass's length and its span) kept apart, so a graph does not take them as one
-            with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
-                graph = self.compiler.aot_compile((job.args, {}))
+            graph = aot_compile(self.compiler, job.args)
         except torch._dynamo.exc.Unsupported as err:  # AOT compile needs one whole graph
             self.breaks_at = job.number
             return JobOutcome(warning=f"{self.name}: its layers break the graph ({first_line(err)}): they run eager")
@@ -220,6 +217,14 @@ class LayerGraphs:
     def ready(graph):
         graph.disable_guard_check()  # `matching` has checked them; calling would check again
         return graph
+
+
+def aot_compile(compiler, args: tuple):
+    """`compiler`'s whole graph for `args`, with its guards. Floats are constants: one trace, no restart. Sizes that
+    happen to be equal (a batch of 2 and 2 KV heads, a prompt pass's length and its span) are kept apart, so a graph
+    does not take them as one."""
+    with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
+        return compiler.aot_compile((args, {}))
 
 
 def first_line(err: Exception) -> str:
