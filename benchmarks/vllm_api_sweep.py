@@ -1,5 +1,6 @@
 """`probe --api` on vLLM's CPU build: MTP (k 3) against vLLM without speculation as the reference, `specdoctor serve`
-at k 0 against the same reference, and each vLLM alone (its own plain output).
+at k 0 against the same reference, `specdoctor serve` at k 3 against vLLM's MTP at k 3, and each vLLM alone (its own
+plain output).
 
     python -m benchmarks.vllm_api_sweep [--json FILE]
 
@@ -32,10 +33,12 @@ def main() -> None:
     console, results = Console(), {}
     mtp, plain = VllmServer(DEMO_DIR, 3, eager=True), VllmServer(DEMO_DIR, 0, eager=True)
     ours = SpecdoctorServer("--num-speculative-tokens", "0")
+    ours_mtp = SpecdoctorServer("--num-speculative-tokens", "3")
     try:
         pairings = {
             "vLLM MTP k 3 against vLLM k 0": (mtp.url, plain.url),
             "specdoctor serve k 0 against vLLM k 0": (ours.url, plain.url),
+            "specdoctor serve k 3 against vLLM MTP k 3": (ours_mtp.url, mtp.url),
             "vLLM MTP k 3 alone": (mtp.url, None),
             "vLLM k 0 alone": (plain.url, None),
         }
@@ -45,7 +48,7 @@ def main() -> None:
             for point in results[name]:
                 console.print(f"  {point['label']}: {point['verdict']} ({point['evidence'][:160]})")
     finally:
-        for server in (mtp, plain, ours):
+        for server in (mtp, plain, ours, ours_mtp):
             server.stop()
     write_json(args.json, {"pairings": results})
 

@@ -33,6 +33,14 @@ def vllm_demo(vllm_python):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def vllm_demo_plain(vllm_python):
+    """The same server without speculation: the reference the probe's sweeps compare vLLM's speculation with."""
+    server = start_or_fail(lambda: VllmServer(DEMO_DIR, 0, eager=True))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def vllm_demo_tp2(vllm_python):
     """vLLM's server on the demo at TP 2: two CPU workers, each bound to a core."""

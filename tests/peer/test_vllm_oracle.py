@@ -305,21 +305,17 @@ def test_probe_passes_a_healthy_vllm_deployment(vllm_demo):
     assert report["source"] == "metrics" and report["metrics"]["mean_acceptance_length"] >= 2.0
 
 
-def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(vllm_demo):
+def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(vllm_demo, vllm_demo_plain):
     """vLLM's CPU build, the demo, MTP k 3, prefix caching on: every sweep runs. Context, concurrency, the prefix
-    cache and the greedy comparison with speculation off pass (the reference: the demo on `specdoctor serve` at
-    k 0, which the oracle tests above show gives vLLM's tokens). The prefix-cache sweep sizes its prompts from what
+    cache and the greedy comparison with speculation off (the reference: the same vLLM without speculation) pass.
+    The prefix-cache sweep sizes its prompts from what
     the server caches: vLLM's CPU blocks are 128 tokens and with MTP it recomputes the last block it matched, so
     prompts under 257 tokens never hit. Sampling fails, and that is vLLM's (docs/probe.md §What vLLM 0.32
     showed): at temperature 1 it emits tokens its own reported distribution gives log-probabilities down to
     about -20 (chi-square p near 1e-16 over 1,024 tokens; without speculation it passes); at 0.6 and 0.8 with
     top-p 0.95, tokens outside that distribution's nucleus. The API sweep fails on seeds, vLLM's too."""
-    reference = SpecdoctorServer("--num-speculative-tokens", "0")
-    try:
-        args = ("--all", "--sampling", "600", "--sweep-prompts", "16", "--reference-url", reference.url)
-        result = probe(vllm_demo.url, *args)  # 75 s on a quiet machine, several times that on a busy one
-    finally:
-        reference.stop()
+    args = ("--all", "--sampling", "600", "--sweep-prompts", "16", "--reference-url", vllm_demo_plain.url)
+    result = probe(vllm_demo.url, *args)  # 75 s on a quiet machine, several times that on a busy one
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr
     report = json.loads(result.stdout)
     sweeps = {sweep["name"]: sweep for sweep in report["sweeps"]}
@@ -343,13 +339,12 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "setting"
     ] == "temperature 1"
     assert errors[0]["data"]["p_value"] < 1e-6
-    # The request API: vLLM keeps max_tokens, stops, min_tokens, log-probabilities and the penalties under MTP (the
-    # reference, serve at k 0, gives vLLM at k 0's replies to every check: benchmarks/vllm_api_sweep.py); it refuses
-    # logit_bias with speculation (400); a seeded request at temperature 0.8 is not reproducible with MTP (it is
-    # without: measured at concurrency 1 and 6, n 1 and 2; docs/probe.md). Its structured output (xgrammar) under
-    # MTP: each finished json_schema, regex and choice reply valid, the same alone as at 16 in flight, and the
-    # reference's (serve at k 0, xgrammar too); with json_object the demo writes whitespace to the limit, so nothing
-    # is judged.
+    # The request API against vLLM without speculation: vLLM keeps max_tokens, stops, min_tokens, log-probabilities
+    # and the penalties under MTP; it refuses logit_bias with speculation (400); a seeded request at temperature 0.8
+    # is not reproducible with MTP (it is without: measured at concurrency 1 and 6, n 1 and 2; docs/probe.md). Its
+    # structured output (xgrammar) under MTP: each finished json_schema, regex and choice reply valid, the same alone
+    # as at 16 in flight, and the same as without speculation; with json_object the demo writes whitespace to the
+    # limit, so nothing is judged.
     api = {point["label"]: point for point in sweeps["api"]["points"]}
     verdicts = {name: point["verdict"] for name, point in api.items()}
     assert verdicts == {
@@ -374,6 +369,32 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     # vLLM's own running-requests gauge, sampled while each level ran
     assert all(isinstance(p["running_peak"], int) for p in sweeps["concurrency"]["points"])
     assert "running requests seen at most" in sweeps["concurrency"]["summary"]
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and_off(k, vllm_demo, vllm_demo_plain):
+    """`serve` at k 3 against vLLM with MTP at k 3, and at k 0 against vLLM without speculation: the API sweep's
+    requests (max_tokens, stop strings and ids, min_tokens, logprobs, prompt_logprobs, logit_bias, the three
+    penalties, response_format and structured_outputs, a seed), each compared token for token with vLLM's reply
+    to the plain request (a field's effect is what that output implies) or to the same request (the penalties).
+    json_object is not run: the demo writes whitespace to the limit on both engines."""
+    reference = vllm_demo if k else vllm_demo_plain
+    ours = SpecdoctorServer("--num-speculative-tokens", str(k))
+    try:
+        result = probe(ours.url, "--api", "--reference-url", reference.url)
+    finally:
+        ours.stop()
+    report = json.loads(result.stdout)
+    errors = [finding["message"] for finding in report["findings"] if finding["severity"] == "error"]
+    # At k 0 the errors say that the probed server does not speculate, so speculation was not compared
+    not_speculating = ["speculative decoding is not enabled", "reference sweep not run"]
+    assert [error.split(":")[0] for error in errors] == ([] if k else not_speculating), errors
+    assert result.returncode == (0 if k else 1)
+    (api,) = [sweep for sweep in report["sweeps"] if sweep["name"] == "api"]
+    verdicts = {point["label"]: point["verdict"] for point in api["points"]}
+    assert set(verdicts.values()) == {"passed", "not run"} and len(verdicts) == 15, verdicts
+    assert [name for name, verdict in verdicts.items() if verdict == "not run"] == ["response_format json_object"]
+    assert f"against {reference.url}" in api["summary"]
 
 
 def test_probe_finds_the_broken_drafter_of_a_vllm_deployment(vllm_python, tmp_path):
