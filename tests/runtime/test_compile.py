@@ -98,11 +98,17 @@ INDUCTOR_COMPILE = torch.compile
 # neither splits the passes the warm-up test sends: two sizes it found equal (the positions' rows and the KV plan's, a
 # batch's rows in every pass), and `sort`'s int16 indices (the grouped GEMM sorts a pass's top-2 expert choices, 2·B·T
 # of them: from 32,767 on Inductor falls back to aten's sort, another graph; the test's passes are far under).
+SORT_INDEX_LIMIT = 32767  # int16's largest
 KNOWN_INDUCTOR_GUARDS = (
     re.compile(r"LAMBDA_GUARD: L\['positions'\]\.size\(\)\[0\] == L\['cache'\]\._plan\[0\]\.size\(\)\[0\]"),
-    re.compile(r"LAMBDA_GUARD: 2\*L\['\w+'\]\.size\(\)\[\d\]\*L\['\w+'\]\.size\(\)\[\d\] < 32767"),
+    re.compile(rf"LAMBDA_GUARD: 2\*L\['\w+'\]\.size\(\)\[\d\]\*L\['\w+'\]\.size\(\)\[\d\] < {SORT_INDEX_LIMIT}"),
 )
-SORT_INDEX_LIMIT = 32767  # int16's largest
+DEMO_EXPERTS = "8x256x192 torch.float32"  # the demo's routed experts, as a rank's MoE-path measurement names them
+
+
+def grouped_gemm_from(tokens: int) -> None:
+    """The demo's grouped-GEMM crossover recorded as if this machine had measured it (in the test's compile cache)."""
+    measured_once(grouped_from_key(DEMO_EXPERTS), lambda: tokens)
 
 
 def traced_only(fn, **settings):
@@ -145,7 +151,7 @@ def test_compiled_decode_gives_the_eager_tokens_with_fewer_ops_and_a_second_star
 ):
     # The grouped GEMM from 16 tokens, whatever this machine measures: the batch's prompt pass takes it, so its
     # graphs hold every MoE path (every expert in the verify passes, gathered experts in the chain's later steps).
-    measured_once(grouped_from_key("8x256x192 torch.float32"), lambda: 16)
+    grouped_gemm_from(16)
     eager, eager_ops, _, _ = decode_profiled(False, prompts())
     graphs_before = counters["stats"]["unique_graphs"]
     added_input_guards = input_guards_inductor_adds(monkeypatch)
@@ -201,7 +207,7 @@ def test_prompts_and_batches_between_the_warmup_shapes_run_the_graphs_the_warmup
     splits these passes)."""
     monkeypatch.setattr(torch, "compile", traced_only)
     grouped_from = 16
-    measured_once(grouped_from_key("8x256x192 torch.float32"), lambda: grouped_from)
+    grouped_gemm_from(grouped_from)
     options = RuntimeOptions("demo", num_speculative_tokens=3, enable_prefix_caching=True)
     model, info = load_rank(replace(options, compile=True), 0)
     limit = info["gathered_token_limit"]
