@@ -347,19 +347,22 @@ def compare_groups(
     cliffs, falls = [], []
     for index, group in enumerate(units[1:], start=1):
         p_value = fall_p_value(units[0], group, keep, paired)
-        if cliff and clustered_upper_bound(group, alpha) < limit:
-            cliffs.append((index, p_value))
+        if cliff and (bound := clustered_upper_bound(group, alpha)) < limit:
+            # A cliff's evidence is its bound under the limit: the fall test may not reject (a third of a low
+            # first rate can sit under the limit too), and its p-value would read as no evidence.
+            under = f"at most {bound:.1%} with confidence, under the broken-drafter limit {limit:.1%}"
+            cliffs.append((index, p_value, under))
         elif p_value < alpha:
-            falls.append((index, p_value))
+            falls.append((index, p_value, f"p = {p_value:.1e}"))
     findings = []
     for found in (cliffs, falls):
         if found:
-            index, p_value = found[0]
+            index, p_value, test = found[0]
             before, window = windows[index - 1], windows[index]
             evidence = (
                 f"mean acceptance length {before.mean_length:.2f} at {labels[index - 1]}, {window.mean_length:.2f} "
                 f"from {labels[index]} (position 0: {first:.0%} at {labels[0]}, {position0_rate(window):.0%} "
-                f"from {labels[index]}; p = {p_value:.1e})"
+                f"from {labels[index]}; {test})"
             )
             what = "falls off a cliff" if found is cliffs else f"falls with {name}"
             if found is falls and keep < 1:

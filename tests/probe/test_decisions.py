@@ -100,6 +100,10 @@ def test_a_context_cliff_is_an_error_where_the_clustered_upper_bound_falls_under
     buckets = [window(spread(150)), window(spread(150))]
     cliff = compare_groups("context", [*buckets, window(spread(last))], labels, None, "h", cliff=True, keep=0.5)
     assert findings(cliff) == [("error", "acceptance falls off a cliff")]
+    # its evidence is the bound under the limit, not the fall test's p-value (which need not reject)
+    evidence = f"at most {bound(last):.1%} with confidence, under the broken-drafter limit {limit:.1%})"
+    message = next(f.message for f in cliff.findings if f.severity == "error")
+    assert message.endswith(evidence) and "p = " not in message
     # one acceptance more: no cliff, and a fall to under half of 75 % is an error of its own
     fallen = compare_groups("context", [*buckets, window(spread(last + 1))], labels, None, "h", cliff=True, keep=0.5)
     assert findings(fallen) == [("error", "acceptance falls with context to under 50% of its rate at 128 tokens")]

@@ -93,6 +93,27 @@ def test_each_fault_fails_the_sweep_that_finds_it(servers, args, sweep, evidence
         assert report["sweeps"][0]["points"][-1]["metrics"]["per_position_acceptance_rate"][0] < 0.1
 
 
+def test_a_drafter_run_past_its_trained_range_fails_the_context_sweep():
+    """No fault: demo-eagle3's head was trained on 128-token sequences, so at 1,500 tokens its attention meets
+    distances it never learned, the failure of a drafter run past its trained range (73 % -> 13 % in the reports;
+    here 62 % -> 21 % at position 0 over these 8 prompts: a cliff under the broken-drafter limit). The demo and
+    demo-dspark keep more of their rate (the healthy server's context sweep passes)."""
+    server = Server("--model", "demo-eagle3")
+    try:
+        result = probe(
+            server.url, "--context-sweep", "--context-lengths", "128,1500", "--sweep-prompts", "8", "--json", "-"
+        )
+    finally:
+        server.stop()
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    errors = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "error"]
+    assert [f["check"] for f in errors] == ["probe.context"] and "trained range" in errors[0]["hint"]
+    first, last = (
+        p["metrics"]["per_position_acceptance_rate"][0] for p in json.loads(result.stdout)["sweeps"][0]["points"]
+    )
+    assert first > 0.5 and 0.05 < last < first / 2  # a partial fall: drafts still accepted, at a fraction of the rate
+
+
 def test_a_sampler_at_temperature_1_whatever_was_asked_is_found_alone_and_against_speculation_off(servers):
     """sampling-params-ignored alone, at temperature 0.6 with top-p 0.95 and the default size, against the demo at k 0
     sampling the same. Alone: tokens drawn outside the nucleus of the server's own reported distribution. Against
