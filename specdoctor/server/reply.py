@@ -55,8 +55,9 @@ class Reply:
             kept = self.kept_tokens(job.tokens) if stopped else None
         if kept is not None:
             job.tokens, job.logprobs = job.tokens[:kept], job.logprobs[:kept]
-            job.finish_reason = "stop"
-        self.state.metrics.record_request(job.finish_reason, len(job.sequence.prompt), len(job.tokens), job.metrics)
+            job.finish_reason, job.stop_token = "stop", None  # a stop id after the stop string was not reached
+        generated = len(job.output_ids())
+        self.state.metrics.record_request(job.finish_reason, len(job.sequence.prompt), generated, job.metrics)
         return text, job.finish_reason
 
     def kept_tokens(self, tokens: list[int]) -> int:
@@ -66,7 +67,7 @@ class Reply:
     def usage(self) -> dict:
         """Each prompt counted once (n choices share it), every choice's tokens counted."""
         prompt_tokens = sum(len(job.sequence.prompt) for job in self.jobs[:: self.body.n])
-        completion_tokens = sum(len(job.tokens) for job in self.jobs)
+        completion_tokens = sum(len(job.output_ids()) for job in self.jobs)
         total = prompt_tokens + completion_tokens
         cached = sum(job.cached_tokens for job in self.jobs[:: self.body.n])  # vLLM's prompt_tokens_details
         return {
@@ -89,7 +90,7 @@ class Reply:
             found["finish_reason"] = reason
         if self.body.return_token_ids:  # as vLLM returns them: the prompt's once, then the output's
             found["prompt_token_ids"] = list(job.sequence.prompt) if tokens[0] == 0 else None
-            found["token_ids"] = job.tokens[tokens[0] : tokens[1]]
+            found["token_ids"] = job.output_ids()[tokens[0] : tokens[1]]
         return found
 
     def logprobs(self, entries: list[tuple[int, TokenLogprob]], delta: bool) -> dict:
@@ -136,7 +137,7 @@ class Reply:
         choices = []
         for index, job in enumerate(self.jobs):
             text, reason = self.finish(job)
-            choices.append(self.choice(index, text, reason, False, (0, len(job.tokens))))
+            choices.append(self.choice(index, text, reason, False, (0, len(job.output_ids()))))
             if job.sequence.prompt_logprobs is not None and not self.chat:  # vLLM's: on each completion choice
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs(job)
         spec = combined([job.metrics for job in self.jobs])
@@ -193,7 +194,7 @@ class Reply:
             text, reason = self.finish(job)
             rest = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
             yield self.chunk(
-                index, rest, reason, job, sent_tokens[index], len(job.tokens), self.spec_fields(job.metrics)
+                index, rest, reason, job, sent_tokens[index], len(job.output_ids()), self.spec_fields(job.metrics)
             )
         if self.body.include_usage:  # OpenAI's last chunk: no choices, the whole request's usage
             yield self.sse({**self.envelope([], chunk=True), "usage": self.usage()})
@@ -220,10 +221,11 @@ def shown(logprob: float) -> float:
 
 
 def token_logprobs(job: Job, start: int, end: int) -> list[tuple[int, TokenLogprob]]:
-    """(token, its log-probability entry) for tokens [start, end), when the request asked for them."""
+    """(token, its log-probability entry) for output tokens [start, end) (a stop token id's included, as vLLM
+    reports it), when the request asked for them."""
     if job.sequence.logprobs is None:
         return []
-    return list(zip(job.tokens[start:end], job.logprobs[start:end], strict=True))
+    return list(zip(job.output_ids()[start:end], job.logprobs[start:end], strict=True))
 
 
 def combined(metrics: list[SpecMetrics]) -> SpecMetrics:

@@ -38,7 +38,12 @@ class Job:
     cached_tokens: int = 0  # prompt tokens prefix caching restored
     prompt_logprobs: list[PromptLogprob] | None = None  # when the request asked
     finish_reason: str | None = None
+    stop_token: int | None = None  # the stop token id that ended it, not in `tokens` (its text is not the output's)
     future: asyncio.Future | None = None
+
+    def output_ids(self) -> list[int]:
+        """The output's token ids as vLLM reports and counts them: with the stop token id that ended it."""
+        return self.tokens if self.stop_token is None else [*self.tokens, self.stop_token]
 
 
 class ContinuousScheduler:
@@ -169,7 +174,7 @@ class ContinuousScheduler:
                 job.on_tokens()
             if reason is not None:
                 del self.running[request_id]
-                job.finish_reason = reason
+                job.finish_reason, job.stop_token = reason, update.stop_token
                 if not job.future.done():
                     job.future.set_result(job)
         self._admit()

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from specdoctor.battery import load_battery
@@ -382,8 +383,12 @@ def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and
     ours = SpecdoctorServer("--num-speculative-tokens", str(k))
     try:
         result = probe(ours.url, "--api", "--reference-url", reference.url)
+        stopped = [stopped_at_a_token_id(server.url) for server in (ours, reference)]
     finally:
         ours.stop()
+    # A reply ended by a stop token id: vLLM names the id as its last token, counts it in usage and gives it a
+    # log-probability; serve the same
+    assert stopped[0][:2] == stopped[1][:2] and stopped[0][2] == pytest.approx(stopped[1][2], abs=1e-4), stopped
     report = json.loads(result.stdout)
     errors = [finding["message"] for finding in report["findings"] if finding["severity"] == "error"]
     # At k 0 the errors say that the probed server does not speculate, so speculation was not compared
@@ -395,6 +400,19 @@ def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and
     assert set(verdicts.values()) == {"passed", "not run"} and len(verdicts) == 15, verdicts
     assert [name for name, verdict in verdicts.items() if verdict == "not run"] == ["response_format json_object"]
     assert f"against {reference.url}" in api["summary"]
+
+
+def stopped_at_a_token_id(url: str) -> tuple[list[int], int, list[float]]:
+    """A greedy reply of 24 tokens, then the same request stopped at its 9th token's id: (token ids,
+    usage.completion_tokens, log-probabilities) of the stopped reply."""
+    body = {"model": "demo", "prompt": "class Parser:\n    def __init__(self", "max_tokens": 24, "temperature": 0}
+    body |= {"return_token_ids": True, "logprobs": 1}
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    stop = plain[8]
+    reply = httpx.post(f"{url}/v1/completions", json={**body, "stop_token_ids": [stop]}, timeout=120).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == stop, choice
+    return choice["token_ids"], reply["usage"]["completion_tokens"], choice["logprobs"]["token_logprobs"]
 
 
 def test_probe_finds_the_broken_drafter_of_a_vllm_deployment(vllm_python, tmp_path):

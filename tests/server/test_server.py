@@ -180,21 +180,28 @@ def test_a_stop_string_cuts_the_text_and_ends_generation_at_once(server):
     assert reply.json()["usage"]["completion_tokens"] <= 24
 
 
-def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
+def transformers_greedy(ids: list[int], tokens: int):
+    """The oracle: transformers' own model class on the demo, fp32, decoding greedily itself; (the model, the
+    completion's ids, their positions' log-probabilities [tokens, V])."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()
+    sequence = list(ids)
+    with torch.no_grad():
+        for _ in range(tokens):
+            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+        logits = reference(torch.tensor([sequence])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+    return reference, sequence[len(ids) :], logits
+
+
+def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
+    import torch
 
     ids = demo_tokens(PROMPTS[1])
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 3, "ignore_eos": True}
     whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
-    # The oracle: transformers' own model class on the demo, fp32, decoding greedily itself.
-    reference = AutoModelForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()
-    sequence = list(ids)
-    with torch.no_grad():
-        for _ in range(12):
-            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
-        logits = reference(torch.tensor([sequence])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
-    completion = sequence[len(ids) :]
+    reference, completion, logits = transformers_greedy(ids, 12)
     assert whole["tokens"] == [demo_codec().decode([token]) for token in completion]
     expected = logits.gather(-1, torch.tensor(completion)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(whole["token_logprobs"]), expected, atol=1e-4)
@@ -236,6 +243,38 @@ def test_logprobs_equal_transformers_and_stream_like_the_whole_reply(server):
     assert all(entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6 for entry in content)  # greedy: the best
     refused = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "logprobs": False})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+
+
+def test_a_stop_token_id_is_the_last_token_id_counted_and_given_its_logprob_as_vllm_reports_it(server):
+    """vLLM keeps the stop token id that ended a reply as the last of `token_ids`, counts it in
+    `usage.completion_tokens` and reports its log-probability; its text is not the output's. Whole and streamed,
+    against transformers' greedy output."""
+    import torch
+
+    ids = demo_tokens(PROMPTS[1])
+    _, completion, logits = transformers_greedy(ids, 16)
+    at = next(i for i in range(4, 16) if completion[i] not in completion[:i])  # a token's first occurrence
+    stop = completion[at]
+    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "logprobs": 1, "return_token_ids": True}
+    body |= {"stop_token_ids": [stop], "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    choice, due = reply["choices"][0], completion[: at + 1]
+    assert choice["token_ids"] == due and choice["finish_reason"] == "stop"
+    assert choice["text"] == demo_codec().decode(completion[:at]) and reply["usage"]["completion_tokens"] == at + 1
+    expected = logits[: at + 1].gather(-1, torch.tensor(due)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(choice["logprobs"]["token_logprobs"]), expected, atol=1e-4)
+    streamed_ids, streamed_logprobs, usage = [], [], None
+    asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=asked, timeout=60) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for streamed in chunk["choices"]:
+                    streamed_ids += streamed["token_ids"]
+                    streamed_logprobs += streamed["logprobs"]["token_logprobs"]
+    assert streamed_ids == due and streamed_logprobs == choice["logprobs"]["token_logprobs"]
+    assert usage["completion_tokens"] == at + 1
 
 
 def demo_codec():

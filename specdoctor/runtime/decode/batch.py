@@ -80,6 +80,7 @@ class BatchState:
 
     def commit(self, count_metrics: bool) -> None:
         before = [len(tokens) for tokens in self.result.tokens]
+        stopped_before = [token is not None for token in self.result.stop_tokens]
         counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
         if self.verified is None:  # no grammar cut this step's drafts: each row verified k
             decision, drafted = self.decision.tolist(), None  # the step's one read from the device
@@ -91,8 +92,9 @@ class BatchState:
         )
         self.stand_in_drafts = [False] * len(self.sequences)
         self.speculating = self.k > 0 and all(PLACEHOLDER not in row[self.k + 2 :] for row in decision)
-        for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order
-            self.result.logprobs[row] += entries[: len(self.result.tokens[row]) - before[row]]
+        for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order, and a stop's
+            stopped_now = self.result.stop_tokens[row] is not None and not stopped_before[row]
+            self.result.logprobs[row] += entries[: len(self.result.tokens[row]) - before[row] + stopped_now]
         self.pending_logprobs = {}
 
     def note_logprobs(self, logits: torch.Tensor) -> None:
@@ -274,6 +276,7 @@ class BatchState:
         joined.result.logprobs = kept([entries for b in batches for entries in b.result.logprobs])
         joined.result.cached_tokens = kept([n for b in batches for n in b.result.cached_tokens])
         joined.result.prompt_logprobs = kept([p for b in batches for p in b.result.prompt_logprobs])
+        joined.result.stop_tokens = kept([t for b in batches for t in b.result.stop_tokens])
         joined.pending_logprobs = {}
         joined.ids = joined.lengths = None
         return joined

@@ -35,6 +35,7 @@ class RowUpdate:
     new_logprobs: list[TokenLogprob]  # one per new token when the request asked for log-probabilities
     cached_tokens: int = 0  # prompt tokens prefix caching restored
     prompt_logprobs: list[PromptLogprob] | None = None  # with the request's first tokens, where it asked
+    stop_token: int | None = None  # with the finish: the stop token id that ended it (not in new_tokens)
 
 
 class RunningBatch:
@@ -108,6 +109,7 @@ class RunningBatch:
                     result.logprobs[row][new],
                     result.cached_tokens[row],
                     prompt,
+                    result.stop_tokens[row],
                 )
                 self.reported[row] = len(tokens)
         self._keep([row for row, active in enumerate(self.batch.active) if active])
@@ -161,6 +163,7 @@ def merge_updates(before: dict[str, RowUpdate], after: dict[str, RowUpdate]) -> 
             before[request_id].new_logprobs + update.new_logprobs,
             update.cached_tokens,
             before[request_id].prompt_logprobs or update.prompt_logprobs,
+            update.stop_token,
         )
         if request_id in before
         else update

@@ -73,6 +73,12 @@ class GenerateResult:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, for rows that asked (last rank)
     cached_tokens: list[int] = field(default_factory=list)  # per row: prompt tokens restored by prefix caching
     prompt_logprobs: list[list[PromptLogprob] | None] = field(default_factory=list)  # per row that asked (last rank)
+    # per row: the stop token id that ended it, left out of `tokens` (vLLM reports it as the last token id, counts
+    # it in usage and gives it a log-probability; its text is not the output's)
+    stop_tokens: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.stop_tokens = self.stop_tokens or [None] * len(self.tokens)
 
 
 # Where a rank's time goes: the prompt pass, then per decode step its share of the target forward

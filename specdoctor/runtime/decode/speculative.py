@@ -211,11 +211,11 @@ def speculative_step(
 
 
 def append_run(result, row: int, run: list[int], sequence, stop_in_draft_missed: bool) -> None:
-    """Append a step's emitted tokens up to a stop token id (not kept) or the sequence's limit; with the fault, a
-    stop id is seen only as the run's last token."""
+    """Append a step's emitted tokens up to a stop token id (kept apart, in `stop_tokens`) or the sequence's
+    limit; with the fault, a stop id is seen only as the run's last token."""
     for index, token in enumerate(run):
         if token in sequence.stop_token_ids and (index == len(run) - 1 or not stop_in_draft_missed):
-            result.finish_reasons[row] = "stop"
+            result.finish_reasons[row], result.stop_tokens[row] = "stop", token
             return
         result.tokens[row].append(token)
         if len(result.tokens[row]) >= sequence.max_new_tokens:
