@@ -26,9 +26,10 @@ CONTEXT_FILL = 0.8
 # failed 14.7 % of the time at a nominal 5 % (benchmarks/probe_rates.py).
 CONTEXT_KEEP = 1 / 3
 # The buckets' prompts are as many as a fall to this share of the first bucket's rate needs to be found with
-# stats.POWER (a drafter's RoPE past its trained range: 73 % -> 13 %, a fall to 18 %), from the first bucket's own
-# spread; at least MIN_SWEEP_PROMPTS (the spread's estimate), at most corpus.STARTS.
-CONTEXT_SIZED_FOR = 0.2
+# stats.POWER (a partial fall, 50 % -> 13 %; demo-eagle3's head run past its 128-token training falls to 23 %:
+# benchmarks/probe_rates.py's runs found it in 65 % sized for a fall to 20 %, in 95.8 % sized so), from the
+# first bucket's own spread; at least MIN_SWEEP_PROMPTS (the spread's estimate), at most corpus.STARTS.
+CONTEXT_SIZED_FOR = 0.25
 MIN_SWEEP_PROMPTS = 8
 # Corpus stretches whose token count gives the server's characters per token: CALIBRATION_CHARS from each of
 # CALIBRATION_STARTS of the prompts' starts, a few hundred tokens in all, which any max_model_len holds.

@@ -145,8 +145,8 @@ def refused_check(name: str, family: str, replies: list[dict], whose: str = "ser
 
 
 def ends_alike(reply: dict, reference: dict) -> bool:
-    """Both ended at a stop token and one names it as a last token id and the other not (vLLM keeps a stop or
-    end-of-sequence id in `token_ids`, specdoctor serve does not): the same output."""
+    """Both ended at a stop token and one names it as a last token id and the other not (vLLM and specdoctor
+    serve keep a stop or end-of-sequence id in `token_ids`; a server may not): the same output."""
     ours, theirs = output_ids(reply) or [], output_ids(reference) or []
     shorter, longer = sorted((ours, theirs), key=len)
     stopped = finish_of(reply) == finish_of(reference) == "stop"
