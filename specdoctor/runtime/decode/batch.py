@@ -79,8 +79,7 @@ class BatchState:
         self.verified: torch.Tensor | None = None  # [B] the drafts the last step verified, where a grammar cut some
 
     def commit(self, count_metrics: bool) -> None:
-        before = [len(tokens) for tokens in self.result.tokens]
-        stopped_before = [token is not None for token in self.result.stop_tokens]
+        before, was_active = [len(tokens) for tokens in self.result.tokens], self.active
         counted = [count_metrics and self.stepped_speculatively and not dummy for dummy in self.stand_in_drafts]
         if self.verified is None:  # no grammar cut this step's drafts: each row verified k
             decision, drafted = self.decision.tolist(), None  # the step's one read from the device
@@ -93,7 +92,8 @@ class BatchState:
         self.stand_in_drafts = [False] * len(self.sequences)
         self.speculating = self.k > 0 and all(PLACEHOLDER not in row[self.k + 2 :] for row in decision)
         for row, entries in self.pending_logprobs.items():  # the emitted tokens' entries, in order, and a stop's
-            stopped_now = self.result.stop_tokens[row] is not None and not stopped_before[row]
+            # a row active until this commit that has a stop token got it now (it ends the row)
+            stopped_now = was_active[row] and self.result.stop_tokens[row] is not None
             self.result.logprobs[row] += entries[: len(self.result.tokens[row]) - before[row] + stopped_now]
         self.pending_logprobs = {}
 
