@@ -16,31 +16,20 @@ from rich.console import Console
 from rich.progress import track
 
 from benchmarks.common import add_json_option, numeric_table, write_json
-from benchmarks.probe_rates import CONTEXT_LENGTHS
-from specdoctor.probe.acceptance_sweeps import chars_per_token, prompt_tokens
-from specdoctor.probe.client import Probe
-from specdoctor.probe.corpus import corpus_prompt
-from specdoctor.probe.options import ProbeOptions
-from tests.helpers.servers import SpecdoctorServer
+from benchmarks.probe_rates import CONTEXT_LENGTHS, Case, pool, window_of
+from specdoctor.probe.acceptance_sweeps import prompt_tokens
 
 MODELS = ("demo", "demo-dspark", "demo-eagle3")
 
 
 def buckets(model: str, fault: str | None, prompts: int) -> list[dict]:
-    args = ("--fault", fault, "--allow-unhealthy") if fault else ()
-    server = SpecdoctorServer(*args, model=model)
-    try:
-        probe = Probe(ProbeOptions(server.url, timeout=3600.0))
-        served = probe.served_model()
-        per_token = chars_per_token(probe, served)
-        rows = []
-        for length in CONTEXT_LENGTHS:
-            window = probe.measure(served.model, [corpus_prompt(i, int(length * per_token)) for i in range(prompts)])
-            accepted, drafts = window.position0
-            rows.append({"tokens": prompt_tokens(window), "position0": accepted / drafts, "drafts": drafts})
-        return rows
-    finally:
-        server.stop()
+    """Each length's mean prompt tokens and position-0 rate over the first `prompts` corpus prompts."""
+    rows = []
+    for group in pool(Case("context", model, fault), prompts):
+        window = window_of(group)
+        accepted, drafts = window.position0
+        rows.append({"tokens": prompt_tokens(window), "position0": accepted / drafts, "drafts": drafts})
+    return rows
 
 
 def main() -> None:

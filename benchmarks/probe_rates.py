@@ -68,8 +68,9 @@ CASES = (
 )
 
 
-def pool(case: Case) -> list[list]:
-    """Per condition (bucket, cold/warm, level), each prompt's reply and counters: [(reply, SpecMetrics)]."""
+def pool(case: Case, prompts: int = STARTS) -> list[list]:
+    """Per condition (bucket, cold/warm, level), each prompt's reply and counters: [(reply, SpecMetrics)]; the
+    first `prompts` of the corpus' starts."""
     args = ("--fault", case.fault, "--allow-unhealthy") if case.fault else ()
     server = SpecdoctorServer(*args, model=case.model)
     try:
@@ -77,15 +78,15 @@ def pool(case: Case) -> list[list]:
         model = probe.served_model().model
         if case.sweep == "context":
             per_token = chars_per_token(probe, probe.served_model())
-            groups = [[corpus_prompt(i, int(length * per_token)) for i in range(STARTS)] for length in CONTEXT_LENGTHS]
+            groups = [[corpus_prompt(i, int(length * per_token)) for i in range(prompts)] for length in CONTEXT_LENGTHS]
             windows = [probe.measure(model, prompts) for prompts in groups]
         elif case.sweep == "prefix-cache":  # prompts as long as the sweep finds it needs
             served = probe.served_model()
             found = prefix_prompt_tokens(probe, served, SweepOptions(), chars_per_token(probe, served))
-            prompts = sized_prompts(probe, served, STARTS, *found)
-            windows = [probe.measure(model, prompts, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
+            sized = sized_prompts(probe, served, prompts, *found)
+            windows = [probe.measure(model, sized, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
         else:  # the sweep's own prompts, 64 of them, at each level
-            group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(STARTS)]
+            group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(prompts)]
             windows = [probe.measure(model, group, concurrency=level) for level in CONCURRENCY]
     finally:
         server.stop()
