@@ -4,21 +4,36 @@ the reference (the demo at k 0), every check's verdict counted.
     python -m benchmarks.api_false_positives [--runs 20] [--json FILE]
 
 The demo at PP 2, MTP k 3, greedy checks sent 16 at a time (as traffic is); the servers stay up across runs, so the
-batches each run's requests meet differ from run to run.
+batches each run's requests meet differ from run to run. The demo is served as a reasoning model's checkpoint
+(tests/helpers/reasoning.py) with `--reasoning-parser hf`, so the schema after a reasoning is checked too.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import track
 
 from benchmarks.common import add_json_option, write_json
 from specdoctor.probe.stats import rate_upper_bound
+from tests.helpers.reasoning import save_thinking_demo
 from tests.helpers.servers import SpecdoctorServer, probe
+
+
+@functools.cache
+def thinking_demo() -> Path:
+    return save_thinking_demo(Path(tempfile.mkdtemp(prefix="specdoctor-reasoning-")) / "demo")
+
+
+def api_server(*flags: str) -> SpecdoctorServer:
+    """`serve` on the demo as a reasoning model's checkpoint (made once per process), its reasoning parser on."""
+    return SpecdoctorServer(*flags, "--reasoning-parser", "hf", model=str(thinking_demo()))
 
 
 def verdicts_and_evidence(url: str, reference: str | None) -> tuple[int, dict[str, tuple[str, str]]]:
@@ -35,8 +50,8 @@ def main() -> None:
     add_json_option(parser, "api_false_positives")
     args = parser.parse_args()
     console, results = Console(), {}
-    healthy = SpecdoctorServer("--pp", "2", "--num-speculative-tokens", "3")
-    off = SpecdoctorServer("--num-speculative-tokens", "0")
+    healthy = api_server("--pp", "2", "--num-speculative-tokens", "3")
+    off = api_server("--num-speculative-tokens", "0")
     try:
         for mode, reference in (("own output", None), ("reference", off.url)):
             counts, failed_runs = Counter(), 0

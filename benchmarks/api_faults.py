@@ -3,7 +3,8 @@ reference (the demo at k 0): each check's verdict and evidence.
 
     python -m benchmarks.api_faults [--json FILE]
 
-The demo at PP 2, MTP k 3, one server per fault.
+The demo at PP 2, MTP k 3, one server per fault, served as a reasoning model's checkpoint with its reasoning parser
+on (benchmarks/api_false_positives.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import argparse
 
 from rich.console import Console
 
-from benchmarks.api_false_positives import verdicts_and_evidence
+from benchmarks.api_false_positives import api_server, verdicts_and_evidence
 from benchmarks.common import add_json_option, write_json
-from tests.helpers.servers import SpecdoctorServer
 
 FAULTS = (
     "penalties-per-step",
@@ -22,6 +22,7 @@ FAULTS = (
     "stop-in-draft-missed",
     "eos-leak-past-max-tokens",
     "grammar-no-rollback",
+    "reasoning-end-unmasked",
 )
 
 
@@ -30,11 +31,11 @@ def main() -> None:
     add_json_option(parser, "api_faults")
     args = parser.parse_args()
     console, results = Console(), {}
-    off = SpecdoctorServer("--num-speculative-tokens", "0")
+    off = api_server("--num-speculative-tokens", "0")
     try:
         for fault in FAULTS:
             flags = ("--pp", "2", "--num-speculative-tokens", "3", "--fault", fault, "--allow-unhealthy")
-            server = SpecdoctorServer(*flags)
+            server = api_server(*flags)
             try:
                 for mode, reference in (("own output", None), ("reference", off.url)):
                     code, points = verdicts_and_evidence(server.url, reference)

@@ -20,6 +20,13 @@ MaxNumSeqsOption = Annotated[
 MaxWaitingOption = Annotated[
     int, typer.Option(min=0, help="Requests that may wait for a place; beyond that the server answers 429.")
 ]
+ReasoningParserOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Split each chat reply's thinking from its content and start structured output after it, as vLLM's "
+        "parser of this name does: 'hf' reads the checkpoint's response_template."
+    ),
+]
 AllowUnhealthyFlag = Annotated[
     bool, typer.Option("--allow-unhealthy", help="Serve even with error findings, without repairing.")
 ]
@@ -40,13 +47,14 @@ def serve(
     allow_unhealthy: AllowUnhealthyFlag = False,
     max_num_seqs: MaxNumSeqsOption = 32,
     max_waiting: MaxWaitingOption = DEFAULT_MAX_WAITING,
+    reasoning_parser: ReasoningParserOption = None,
     engine: EngineOption = Engine.SPECDOCTOR,
 ) -> None:
     """Serve an OpenAI-compatible API with the drafter fixes applied and vLLM-style metrics; requests are
     batched continuously (they join and leave the running batch between decode steps). With --engine vllm, vLLM
     serves, its workers' drafters verified and repaired at load by specdoctor's plugin."""
     passed = passed_to_engine(ctx, engine)
-    options = ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting)
+    options = ServeOptions(runtime, host, port, api_key, allow_unhealthy, max_num_seqs, max_waiting, reasoning_parser)
     if engine is not Engine.VLLM:
         run_serve(options)
         return
@@ -56,4 +64,4 @@ def serve(
     if max_waiting != DEFAULT_MAX_WAITING:
         raise SpecdoctorError("--max-waiting bounds specdoctor's own queue: vLLM queues requests its own way")
     refuse_runtime_only(runtime, RuntimeOptions(model=runtime.model, **SERVE_DEFAULTS))
-    run_vllm_serve(options, passed)
+    run_vllm_serve(options, passed + (["--reasoning-parser", reasoning_parser] if reasoning_parser else []))

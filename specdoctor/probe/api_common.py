@@ -34,6 +34,7 @@ SHIFT_PENALTIES = ("presence_penalty", "frequency_penalty")  # subtracted from l
 MIN_TOKENS_PAST = 3  # min_tokens this far past where the plain output meets the stop id asked for
 RESENT_POSITIONS = 6  # per prompt: output positions whose log-probability is asked again as a prompt's next token
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+REFUSED = "the server refuses"  # the start of a not-run check's evidence where the server refused its requests
 
 HINTS = {
     "max-tokens": (
@@ -60,8 +61,9 @@ HINTS = {
     ),
     "structured": (
         "a reply under response_format breaks its schema, or differs with speculation or batching: the grammar's "
-        "bitmask must be applied at every draft position and its matcher rolled back after a rejection (vllm#44006, "
-        "#48228; sglang#9187): look where the structured-output bitmask meets the drafts"
+        "bitmask must be applied at every draft position (behind a reasoning parser, at each one after the "
+        "reasoning's end inside a step) and its matcher rolled back after a rejection (vllm#44006, #48228; "
+        "sglang#9187): look where the structured-output bitmask meets the drafts"
     ),
     "seed": "a seeded request must be reproducible: the drafter's or verifier's noise is not drawn from the seed",
 }
@@ -107,10 +109,22 @@ class Asker:
             "return_tokens_as_token_ids": True,
         } | fields
 
-    def ask(self, requests: list[tuple], reference: bool = False, concurrency: int = API_CONCURRENCY) -> list[dict]:
+    def ask(
+        self, requests: list[tuple], reference: bool = False, concurrency: int = API_CONCURRENCY, chat: bool = False
+    ) -> list[dict]:
+        """The replies; with `chat`, each prompt sent as a user message, its reply in the completions' shape."""
         probe, model = (self.reference, self.reference_model) if reference else (self.probe, self.model)
+
+        def send(request: tuple) -> dict:
+            prompt, fields = request
+            if not chat:
+                return probe.complete(model, prompt, **fields)
+            if isinstance(fields.get("logprobs"), int):  # the chat API's spelling of the completions' n top entries
+                fields = fields | {"logprobs": True, "top_logprobs": fields["logprobs"]}
+            return as_completion(probe.chat(model, prompt, **fields))
+
         with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(lambda request: probe.complete(model, request[0], **request[1]), requests))
+            return list(pool.map(send, requests))
 
     def plain(self, prompts: list) -> Plain | str:
         requests = [self.body(prompt, {}) for prompt in prompts]
@@ -122,6 +136,32 @@ class Asker:
         if any(output_ids(reply) is None for reply in own + expected):
             return "the server names no output token ids (return_token_ids, or token_id:N log-probability entries)"
         return Plain(own, expected)
+
+
+def as_completion(reply: dict) -> dict:
+    """A chat reply in the shape the checks read, the completions API's: the message's content as the text (None
+    while a reasoning has not ended), its reasoning kept beside it (vLLM's `reasoning`, or `reasoning_content`), the
+    log-probability entries as parallel lists."""
+    if "error" in reply:
+        return reply
+    choice = first_choice(reply)
+    message = choice.get("message") or {}
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = {
+        "tokens": [entry.get("token") for entry in entries],
+        "token_logprobs": [entry.get("logprob") for entry in entries],
+        "top_logprobs": [
+            {top["token"]: top["logprob"] for top in entry.get("top_logprobs") or []} for entry in entries
+        ],
+    }
+    shaped = {
+        "text": message.get("content"),
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "token_ids": choice.get("token_ids"),
+        "logprobs": logprobs if entries else None,
+        "finish_reason": choice.get("finish_reason"),
+    }
+    return {**reply, "choices": [shaped]}
 
 
 def finish_of(reply: dict) -> str | None:

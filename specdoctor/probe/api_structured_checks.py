@@ -3,7 +3,12 @@
 must follow its constraint (JSON valid against the schema, the regex matched whole, one of the choices); greedy, the
 two concurrencies must give the same replies, and with a reference the reference's. A reply cut by max_tokens is not
 judged (a grammar may let a model write whitespace until it runs out), and where none finished the check is not run;
-so is a check whose field the server ignores (every reply breaks the constraint and is the unconstrained reply)."""
+so is a check whose field the server ignores (every reply breaks the constraint and is the unconstrained reply).
+
+The schema is checked again through the chat API behind a reasoning parser: the reasoning is the model's and free,
+the grammar starts where it ends, inside a step's drafts as often as not (vllm#44006: the positions after the end
+left unmasked). Each reply whose reasoning ended and that finished must have content valid against the schema; a
+server that splits no reasoning from its chat replies does not run it."""
 
 from __future__ import annotations
 
@@ -15,18 +20,20 @@ from dataclasses import dataclass
 from specdoctor.probe.api_common import (
     API_CONCURRENCY,
     NOT_RUN,
+    REFUSED,
     ApiCheck,
     Asker,
     Plain,
-    finish_of,
     parting,
     refused,
     refused_check,
     verdict_of,
 )
+from specdoctor.probe.client import first_choice
 from specdoctor.probe.output_sweeps import TIE_MARGIN, output_text
 
 STRUCTURED_TOKENS = 64
+IGNORED = "the server ignores"  # the start of a not-run check's evidence where the field was not read
 # Small and closed, so that a reply can finish well inside STRUCTURED_TOKENS.
 SCHEMA = {
     "type": "object",
@@ -48,6 +55,7 @@ class Constraint:
     name: str  # the check's label
     fields: dict  # what the request sends
     breach: Callable[[str], str | None]  # why a finished reply's text breaks it, or None
+    chat: bool = False  # sent as a chat message: judged on the content after the reasoning the server splits off
 
 
 def json_breach(schema: dict | None) -> Callable[[str], str | None]:
@@ -81,35 +89,49 @@ CONSTRAINTS = [
 ]
 
 
+REASONED = Constraint("json_schema after reasoning", CONSTRAINTS[0].fields, CONSTRAINTS[0].breach, chat=True)
+
+
 def structured_checks(asker: Asker, prompts: list, plain: Plain) -> list[ApiCheck]:
-    return [structured_check(asker, prompts, plain, constraint) for constraint in CONSTRAINTS]
+    """Each constraint's check; the schema's after a reasoning unless the server ignores or refuses the schema."""
+    checks = [structured_check(asker, prompts, plain, constraint) for constraint in CONSTRAINTS]
+    schema = checks[0]
+    if schema.verdict == NOT_RUN and schema.evidence.startswith((IGNORED, REFUSED)):
+        checks.append(ApiCheck(REASONED.name, "structured", 0, NOT_RUN, f"as {schema.name}: {schema.evidence}"))
+    else:
+        checks.append(structured_check(asker, prompts, plain, REASONED))
+    return checks
 
 
 def structured_check(asker: Asker, prompts: list, plain: Plain, constraint: Constraint) -> ApiCheck:
-    label = constraint.name
+    label, chat = constraint.name, constraint.chat
     requests = [asker.body(prompt, constraint.fields | {"max_tokens": STRUCTURED_TOKENS}) for prompt in prompts]
-    batched = asker.ask(requests)
+    batched = asker.ask(requests, chat=chat)
     if refusal := refused_check(label, "structured", batched):
         return refusal
-    theirs = asker.ask(requests, reference=True) if asker.reference else [None] * len(requests)
+    if chat and not any(first_choice(reply).get("reasoning") for reply in batched):
+        why = "no chat reply carries a reasoning: the server runs no reasoning parser, or the prompt opens none"
+        return ApiCheck(label, "structured", len(requests), NOT_RUN, why)
+    theirs = asker.ask(requests, reference=True, chat=chat) if asker.reference else [None] * len(requests)
     uncompared = any(reply is not None and refused(reply) for reply in theirs)
     if uncompared:  # its own rules still hold: JSON, the schema, alone as in a batch
         theirs = [None] * len(requests)
-    alone = asker.ask(requests, concurrency=1)
-    if ignored(batched, plain.own, constraint):
+    alone = asker.ask(requests, concurrency=1, chat=chat)
+    if not chat and ignored(batched, plain.own, constraint):
         field = next(iter(constraint.fields))
-        why = f"the server ignores {field}: every reply breaks it and is the reply without it"
+        why = f"{IGNORED} {field}: every reply breaks it and is the reply without it"
         return ApiCheck(label, "structured", len(requests) * 2, NOT_RUN, why)
-    cases, finished = [], 0
+    cases, judged = [], 0
     for p, (reply, solo, reference) in enumerate(zip(batched, alone, theirs, strict=True)):
         for where, one in ((f"{API_CONCURRENCY} in flight", reply), ("alone", solo)):
-            finished += finish_of(one) == "stop"
+            judged += judgeable(one)
             cases.append((f"prompt {p + 1}, {where}", structured_mismatch(one, constraint)))
         cases.append((f"prompt {p + 1}, alone against {API_CONCURRENCY} in flight", parted(solo, reply)))
         if reference is not None:
             cases.append((f"prompt {p + 1}, against speculation off", parted(reply, reference)))
-    if not finished and not any(why for _, why in cases):
-        why = f"no reply finished within {STRUCTURED_TOKENS} tokens (the model wrote whitespace or ran on)"
+    if not judged and not any(why for _, why in cases):
+        ended = " with its reasoning ended" if chat else ""
+        why = f"no reply finished{ended} within {STRUCTURED_TOKENS} tokens (the model wrote whitespace or ran on)"
         return ApiCheck(label, "structured", len(requests) * 2, NOT_RUN, why)
     checked = verdict_of(label, "structured", cases)
     if uncompared:
@@ -125,11 +147,18 @@ def parted(reply: dict, other: dict) -> str | None:
     return None if found is None or found["gap"] <= TIE_MARGIN else f"the replies part at token {found['index']}"
 
 
+def judgeable(reply: dict) -> bool:
+    """The reply finished ("stop"), and where the server split off a reasoning, that reasoning ended (content)."""
+    choice = first_choice(reply)
+    return choice.get("finish_reason") == "stop" and not (choice.get("reasoning") and choice.get("text") is None)
+
+
 def structured_mismatch(reply: dict, constraint: Constraint) -> str | None:
-    """Why a finished reply breaks its constraint, or None; a reply cut by max_tokens is not judged."""
+    """Why a finished reply breaks its constraint, or None; a reply cut by max_tokens, or ended inside its
+    reasoning, is not judged."""
     if "error" in reply:
         return reply["error"]
-    return constraint.breach(output_text(reply)) if finish_of(reply) == "stop" else None
+    return constraint.breach(output_text(reply)) if judgeable(reply) else None
 
 
 def ignored(replies: list[dict], unconstrained: list[dict], constraint: Constraint) -> bool:

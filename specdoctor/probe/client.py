@@ -144,21 +144,23 @@ class Probe:
     def complete(self, model: str, prompt: str | list[int], **fields) -> dict:
         """The server's reply, or {"error": ...} when it answered with an error: a finding, not bad input.
         Greedy with the probe's max_tokens unless `fields` say otherwise."""
+        return self.post("/v1/completions", {"model": model, "prompt": prompt}, fields)
+
+    def chat(self, model: str, text: str, **fields) -> dict:
+        """The chat API's reply to one user message, as `complete`."""
+        return self.post(
+            "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}]}, fields
+        )
+
+    def post(self, path: str, request: dict, fields: dict) -> dict:
         # return_token_ids: vLLM then returns the completion's token ids (for the bigram baseline); others ignore it.
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": self.options.max_tokens,
-            "temperature": 0,
-            "return_token_ids": True,
-            **fields,
-        }
+        body = {**request, "max_tokens": self.options.max_tokens, "temperature": 0, "return_token_ids": True, **fields}
         with self.lock:
             self.in_flight += 1
             in_flight = self.in_flight
         timeout, sent = self.pace.timeout(body["max_tokens"], in_flight), time.monotonic()
         try:
-            response = self.client.post("/v1/completions", json=body, timeout=timeout)
+            response = self.client.post(path, json=body, timeout=timeout)
         except httpx.TimeoutException:
             raise SpecdoctorError(
                 f"{self.url}: a completion of {body['max_tokens']} tokens got no reply within {timeout:.0f} s ("
@@ -170,11 +172,11 @@ class Probe:
             with self.lock:
                 self.in_flight -= 1
         if response.status_code != 200:
-            return {"error": f"POST /v1/completions answered {response.status_code}: {error_message(response)}"}
+            return {"error": f"POST {path} answered {response.status_code}: {error_message(response)}"}
         try:
             reply = response.json()
         except ValueError:
-            return {"error": f"POST /v1/completions answered 200 without JSON: {response.text[:200]}"}
+            return {"error": f"POST {path} answered 200 without JSON: {response.text[:200]}"}
         tokens = ((reply.get("usage") if isinstance(reply, dict) else None) or {}).get("completion_tokens")
         self.pace.observe(time.monotonic() - sent, tokens if isinstance(tokens, int) else body["max_tokens"], in_flight)
         return reply

@@ -29,6 +29,8 @@ sweeps and `check`'s per-TP-rank measurement are tested against the failure they
   grammar-no-rollback      structured output's matcher walks a step's drafts to mask each verified position and is
                            not rolled back: the state after rejected drafts masks the tokens that follow (the
                            rollback xgrammar exists to do, vLLM's StructuredOutputManager)
+  reasoning-end-unmasked   behind a reasoning parser, a step whose drafts end the reasoning leaves the positions
+                           after that end without the grammar's bitmask: it starts at the next step (vllm#44006)
   per-rank-sharing         under TP, each rank of the drafter's stage decides alone whether to give the drafter
                            the target's embedding: TP rank 0 does, the others leave their shard as allocated
                            (vllm#50158)
@@ -52,6 +54,7 @@ SWITCHES = (
     "penalties-per-step",
     "logprobs-of-draft",
     "grammar-no-rollback",
+    "reasoning-end-unmasked",
     "per-rank-sharing",
     "vocab-shard-shifted",
 )  # the faults without a value
@@ -72,6 +75,7 @@ class Faults:
     penalties_per_step: bool = False
     logprobs_of_draft: bool = False
     grammar_no_rollback: bool = False
+    reasoning_end_unmasked: bool = False
     per_rank_sharing: bool = False
     vocab_shard_shifted: bool = False
 

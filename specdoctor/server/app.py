@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.sampling import SamplingParams
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest, RequestError, render_chat
+from specdoctor.server.reasoning import ReasoningTemplate
 from specdoctor.server.reply import Reply
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 
@@ -36,6 +38,7 @@ class ServerState:
     metrics: ServerMetrics
     max_num_seqs: int = 32  # requests in the running batch at most
     max_waiting: int = 256  # requests queued for a place at most
+    reasoning: ReasoningTemplate | None = None  # --reasoning-parser's
 
 
 class StoppingServer(uvicorn.Server):
@@ -132,10 +135,17 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
     @api.post("/chat/completions")
     async def chat_completions(body: ChatRequest):
         prompt = render_chat(state.chat_template, body.messages)
-        return await respond(body, [prompt], chat=True, default_max_tokens=None)
+        thinking = state.reasoning if state.reasoning and state.reasoning.open_after(prompt) else None
+        return await respond(body, [prompt], chat=True, default_max_tokens=None, thinking=thinking)
 
-    async def respond(body: CompletionRequest | ChatRequest, prompts: list, chat: bool, default_max_tokens: int | None):
-        reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens), chat)
+    async def respond(
+        body: CompletionRequest | ChatRequest,
+        prompts: list,
+        chat: bool,
+        default_max_tokens: int | None,
+        thinking: ReasoningTemplate | None = None,
+    ):
+        reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens, thinking), chat, thinking)
         scheduler.enqueue(reply.jobs)  # before the response starts, so a full queue is still a 429
         if body.stream:
             return StreamingResponse(reply.events(scheduler), media_type="text/event-stream")
@@ -146,10 +156,15 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
 
 
 def make_jobs(
-    state: ServerState, body: CompletionRequest | ChatRequest, prompts: list, default_max_tokens: int | None
+    state: ServerState,
+    body: CompletionRequest | ChatRequest,
+    prompts: list,
+    default_max_tokens: int | None,
+    thinking: ReasoningTemplate | None = None,
 ) -> list[Job]:
     """Validate a request into its jobs, n per prompt (choice index = prompt index * n + i); None as the
-    default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's."""
+    default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's. With
+    `thinking` (the prompts leave a reasoning open), structured output starts after its end."""
     if body.model not in (None, state.model_name):
         raise RequestError(
             f"model {body.model!r} is not served here (serving {state.model_name!r})",
@@ -165,6 +180,8 @@ def make_jobs(
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
     logprobs, grammar = body.logprob_count(), body.grammar()
+    if grammar is not None and thinking is not None:
+        grammar = dataclasses.replace(grammar, after=thinking.end_ids)
     if body.stream and body.prompt_logprobs is not None:
         raise RequestError("prompt_logprobs are not available when stream=True (as in vLLM)", "prompt_logprobs")
     jobs = []

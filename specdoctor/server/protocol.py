@@ -250,7 +250,11 @@ class RequestError(Exception):
 
 
 def chat_template(model_path: Path) -> str:
-    """The checkpoint's own template (tokenizer_config.json's chat_template) or the plain one."""
+    """The checkpoint's own template or the plain one. As transformers loads it: chat_template.jinja (where
+    transformers 5 saves it) before tokenizer_config.json's chat_template."""
+    own_file = model_path / "chat_template.jinja"
+    if own_file.is_file():
+        return own_file.read_text(encoding="utf-8")
     config = model_path / "tokenizer_config.json"
     if config.is_file():
         try:

@@ -12,6 +12,7 @@ import uuid
 from specdoctor.runtime.decode.logprobs import TokenLogprob
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from specdoctor.server.protocol import RequestError, SamplingFields
+from specdoctor.server.reasoning import ReasoningTemplate
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 from specdoctor.server.text import StreamedText, apply_stop
 
@@ -19,8 +20,11 @@ LOWEST_LOGPROB = -9999.0  # vLLM's floor for the log-probabilities it returns
 
 
 class Reply:
-    def __init__(self, state, body: SamplingFields, jobs: list[Job], chat: bool):
+    def __init__(
+        self, state, body: SamplingFields, jobs: list[Job], chat: bool, thinking: ReasoningTemplate | None = None
+    ):
         self.state, self.body, self.jobs, self.chat = state, body, jobs, chat
+        self.thinking = thinking  # the reasoning the prompt left open: each message split into reasoning and content
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
@@ -77,17 +81,31 @@ class Reply:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def choice(self, index: int, text: str, reason: str | None, delta: bool, tokens: tuple[int, int]) -> dict:
-        """Choice `index` covering its output tokens [start, end) (a stream's delta covers those it adds)."""
+    def added(self, before: str, after: str) -> tuple[str | None, str | None]:
+        """(content, reasoning) that the reply's text `after` adds to `before`, a prefix of it (the whole message
+        from ""); reasoning None without a reasoning parser, content None while the reasoning has not ended."""
+        if self.thinking is None:
+            return after[len(before) :], None
+        (was_reasoning, was_content), (reasoning, content) = self.thinking.split(before), self.thinking.split(after)
+        return None if content is None else content[len(was_content or "") :], reasoning[len(was_reasoning) :]
+
+    def choice(
+        self, index: int, text: str, reason: str | None, delta: bool, tokens: tuple[int, int], before: str = ""
+    ) -> dict:
+        """Choice `index` covering its output tokens [start, end) (a stream's delta covers those it adds), with
+        what the text adds to `before` (a stream's text sent until then)."""
         job = self.jobs[index]
         logprobs = token_logprobs(job, *tokens)
         shown = self.logprobs(logprobs, delta) if job.sequence.logprobs is not None else None
+        content, reasoning = self.added(before, text)
         if not self.chat:
-            found = {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+            found = {"index": index, "text": content, "logprobs": shown, "finish_reason": reason}
         else:
+            message = {"role": "assistant", "content": content}
+            if self.thinking is not None and (reasoning or not delta):  # a delta carries it while it grows
+                message["reasoning"] = reasoning or None
             key = "delta" if delta else "message"
-            found = {"index": index, key: {"role": "assistant", "content": text}, "logprobs": shown}
-            found["finish_reason"] = reason
+            found = {"index": index, key: message, "logprobs": shown, "finish_reason": reason}
         if self.body.return_token_ids:  # as vLLM returns them: the prompt's once, then the output's
             found["prompt_token_ids"] = list(job.sequence.prompt) if tokens[0] == 0 else None
             found["token_ids"] = job.output_ids()[tokens[0] : tokens[1]]
@@ -114,7 +132,7 @@ class Reply:
     def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def described(token: int, value: float) -> dict:
             text = self.decode([token])
-            return {"token": text, "logprob": shown(value), "bytes": list(text.encode())}
+            return {"token": self.token_label(token), "logprob": shown(value), "bytes": list(text.encode())}
 
         return {**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
 
@@ -177,10 +195,10 @@ class Reply:
                 job = self.jobs[index]
                 text = self.texts[job.id]
                 text.feed(job.tokens)
-                ready = text.ready()
+                ready = self.thinking.settled(text.ready()) if self.thinking else text.ready()
                 if len(ready) > len(sent[index]):
                     covered = text.kept_tokens() if text.stopped else len(job.tokens)  # none past a stop
-                    yield self.chunk(index, ready[len(sent[index]) :], None, job, sent_tokens[index], covered)
+                    yield self.chunk(index, ready, sent[index], None, job, sent_tokens[index], covered)
                     sent[index], sent_tokens[index] = ready, covered
             await generation
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: its requests leave the batch
@@ -192,17 +210,19 @@ class Reply:
             return
         for index, job in enumerate(self.jobs):
             text, reason = self.finish(job)
-            rest = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
-            yield self.chunk(
-                index, rest, reason, job, sent_tokens[index], len(job.output_ids()), self.spec_fields(job.metrics)
-            )
+            whole = text if text.startswith(sent[index]) else sent[index]  # nothing more where it parts from the sent
+            covered = (sent_tokens[index], len(job.output_ids()))
+            yield self.chunk(index, whole, sent[index], reason, job, *covered, self.spec_fields(job.metrics))
         if self.body.include_usage:  # OpenAI's last chunk: no choices, the whole request's usage
             yield self.sse({**self.envelope([], chunk=True), "usage": self.usage()})
         yield "data: [DONE]\n\n"
 
-    def chunk(self, index: int, text: str, reason, job: Job, start: int, end: int, extra: dict | None = None) -> str:
-        """A streamed delta, with the log-probabilities of the tokens it newly covers."""
-        choice = self.choice(index, text, reason, True, (start, end))
+    def chunk(
+        self, index: int, text: str, before: str, reason, job: Job, start: int, end: int, extra: dict | None = None
+    ) -> str:
+        """A streamed delta: what the text adds to `before`, with the log-probabilities of the tokens it newly
+        covers."""
+        choice = self.choice(index, text, reason, True, (start, end), before)
         return self.sse({**self.envelope([choice], True), **(extra or {})})
 
     def spec_fields(self, spec: SpecMetrics) -> dict:

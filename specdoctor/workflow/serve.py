@@ -27,6 +27,7 @@ class ServeOptions:
     allow_unhealthy: bool = False
     max_num_seqs: int = 32
     max_waiting: int = 256
+    reasoning_parser: str | None = None  # vLLM's name of one (server/reasoning.py)
 
 
 TAP_PROBE = list(range(1, 17))  # token ids for the startup tap probe (every vocabulary has them)
@@ -53,6 +54,7 @@ def run_serve(options: ServeOptions) -> None:
     from specdoctor.server.app import ServerState, serve_http
     from specdoctor.server.metrics import ServerMetrics
     from specdoctor.server.protocol import chat_template
+    from specdoctor.server.reasoning import reasoning_template
 
     console = Console(stderr=True)
     runtime = options.runtime
@@ -60,6 +62,8 @@ def run_serve(options: ServeOptions) -> None:
     checkpoint.require_runnable()
     placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
+    parser = options.reasoning_parser
+    reasoning = reasoning_template(parser, checkpoint.path, codec) if parser else None
     check_port_free(options.host, options.port)
     name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
     console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
@@ -74,9 +78,8 @@ def run_serve(options: ServeOptions) -> None:
         speculative = runtime.num_speculative_tokens > 0
         metrics = ServerMetrics(name, speculative, compiled=runtime.compile)
         template = chat_template(checkpoint.path)
-        state = ServerState(
-            engine, codec, name, template, options.api_key, metrics, options.max_num_seqs, options.max_waiting
-        )
+        limits = (options.max_num_seqs, options.max_waiting)
+        state = ServerState(engine, codec, name, template, options.api_key, metrics, *limits, reasoning)
         listening = (
             f"serving {name} on http://{options.host}:{options.port} (TP {runtime.tp} × PP {runtime.pp}, "
             f"k {runtime.num_speculative_tokens}, {engine.rank_info[0]['threads']} compute thread(s) a rank"

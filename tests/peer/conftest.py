@@ -7,10 +7,12 @@ import pytest
 
 from specdoctor.runtime.checkpoint.files import DEMO_DIR, DEMO_DRAFTERS, DEMO_MODELS
 from tests.helpers.draft_models import save_cut_down
+from tests.helpers.reasoning import save_thinking_demo
 from tests.peer.vllm_env import PeerUnavailable, ensure_vllm
 from tests.peer.vllm_server import VllmServer
 
 K = 3  # draft tokens per step, on both engines
+REASONING = ("--reasoning-parser", "hf")  # vLLM's, and serve's, parser of the checkpoint's response_template
 
 
 def start_or_fail(factory):
@@ -26,17 +28,25 @@ def vllm_python():
 
 
 @pytest.fixture(scope="session")
-def vllm_demo(vllm_python):
-    """vLLM's server on the shipped demo model: fp32, MTP with k = 3, PP 1, eager."""
-    server = start_or_fail(lambda: VllmServer(DEMO_DIR, K, eager=True))
+def thinking_demo(tmp_path_factory):
+    """The demo as a reasoning model's checkpoint (tests/helpers/reasoning.py): its weights, with a chat template
+    that opens its thinking and the response_template that names what closes it."""
+    return save_thinking_demo(tmp_path_factory.mktemp("peer") / "demo")
+
+
+@pytest.fixture(scope="session")
+def vllm_demo(vllm_python, thinking_demo):
+    """vLLM's server on the demo model: fp32, MTP with k = 3, PP 1, eager; its reasoning parser reads the
+    response_template (chat replies only: a completion is constrained from its first token)."""
+    server = start_or_fail(lambda: VllmServer(thinking_demo, K, eager=True, extra_args=REASONING))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_demo_plain(vllm_python):
+def vllm_demo_plain(vllm_python, thinking_demo):
     """The same server without speculation: the reference the probe's sweeps compare vLLM's speculation with."""
-    server = start_or_fail(lambda: VllmServer(DEMO_DIR, 0, eager=True))
+    server = start_or_fail(lambda: VllmServer(thinking_demo, 0, eager=True, extra_args=REASONING))
     yield server
     server.stop()
 

@@ -29,7 +29,7 @@ from specdoctor.runtime.sharding import shard_range, vocab_shard_range
 from specdoctor.runtime.tensor_parallel import TensorParallel
 from tests.helpers.checkpoints import zeroed_enorm_copy
 from tests.helpers.servers import SpecdoctorServer, free_port
-from tests.peer.conftest import K, start_or_fail
+from tests.peer.conftest import REASONING, K, start_or_fail
 from tests.peer.vllm_server import VllmServer, completion_with_counters
 
 # vLLM's start-up (80-100 s on 2 cores) runs inside a test's fixtures; the install runs before the suite.
@@ -345,7 +345,8 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
     # is not reproducible with MTP (it is without: measured at concurrency 1 and 6, n 1 and 2; docs/probe.md). Its
     # structured output (xgrammar) under MTP: each finished json_schema, regex and choice reply valid, the same alone
     # as at 16 in flight, and the same as without speculation; with json_object the demo writes whitespace to the
-    # limit, so nothing is judged.
+    # limit, so nothing is judged. Behind its reasoning parser (`hf`), the schema starts after each chat reply's
+    # thinking, inside a step's drafts too: the same replies as without speculation.
     api = {point["label"]: point for point in sweeps["api"]["points"]}
     verdicts = {name: point["verdict"] for name, point in api.items()}
     assert verdicts == {
@@ -363,6 +364,7 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
         "response_format json_object": "not run",  # the demo writes whitespace to the limit: nothing to judge
         "structured_outputs regex": "passed",
         "structured_outputs choice": "passed",
+        "json_schema after reasoning": "passed",
         "seed": "failed",
     }
     assert "not yet supported with speculative decoding" in api["logit_bias"]["evidence"]
@@ -373,14 +375,17 @@ def test_every_probe_sweep_runs_on_a_vllm_deployment_and_reports_what_it_found(v
 
 
 @pytest.mark.parametrize("k", [3, 0])
-def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and_off(k, vllm_demo, vllm_demo_plain):
+def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and_off(
+    k, vllm_demo, vllm_demo_plain, thinking_demo
+):
     """`serve` at k 3 against vLLM with MTP at k 3, and at k 0 against vLLM without speculation: the API sweep's
     requests (max_tokens, stop strings and ids, min_tokens, logprobs, prompt_logprobs, logit_bias, the three
-    penalties, response_format and structured_outputs, a seed), each compared token for token with vLLM's reply
-    to the plain request (a field's effect is what that output implies) or to the same request (the penalties).
+    penalties, response_format and structured_outputs, a schema after a reasoning through both engines' `hf`
+    reasoning parser, a seed), each compared token for token with vLLM's reply to the plain request (a field's
+    effect is what that output implies) or to the same request (the penalties and the schema after a reasoning).
     json_object is not run: the demo writes whitespace to the limit on both engines."""
     reference = vllm_demo if k else vllm_demo_plain
-    ours = SpecdoctorServer("--num-speculative-tokens", str(k))
+    ours = SpecdoctorServer("--num-speculative-tokens", str(k), *REASONING, model=str(thinking_demo))
     try:
         result = probe(ours.url, "--api", "--reference-url", reference.url)
         stopped = [stopped_at_a_token_id(server.url) for server in (ours, reference)]
@@ -397,7 +402,7 @@ def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and
     assert result.returncode == (0 if k else 1)
     (api,) = [sweep for sweep in report["sweeps"] if sweep["name"] == "api"]
     verdicts = {point["label"]: point["verdict"] for point in api["points"]}
-    assert set(verdicts.values()) == {"passed", "not run"} and len(verdicts) == 15, verdicts
+    assert set(verdicts.values()) == {"passed", "not run"} and len(verdicts) == 16, verdicts
     assert [name for name, verdict in verdicts.items() if verdict == "not run"] == ["response_format json_object"]
     assert f"against {reference.url}" in api["summary"]
 

@@ -25,7 +25,7 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts
     (`drafter`: the speculative config's method and model of a drafter checkpoint instead; `schedule`: k by the
-    batch's rows, vLLM's dynamic speculation). `eager`: without
+    batch's rows, vLLM's dynamic speculation; `extra_args`: more of vLLM's flags). `eager`: without
     vLLM's torch.compile step (a minute of start-up on 2 cores; the oracle tests' tokens and counters are the
     same either way, checked); the speed benchmarks keep vLLM's defaults."""
 
@@ -39,6 +39,7 @@ class VllmServer:
         drafter: dict | None = None,
         tp: int = 1,
         schedule: list[tuple[int, int, int]] | None = None,
+        extra_args: tuple[str, ...] = (),
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,6 +56,7 @@ class VllmServer:
             command += ["--speculative-config", json.dumps(speculative)]
         if eager:
             command += ["--enforce-eager"]
+        command += extra_args
         env = os.environ | SERVER_ENV | (extra_env or {})
         if tp > 1:
             # vLLM's CPU workers bind their threads per NUMA node and refuse more workers than nodes ("Not enough

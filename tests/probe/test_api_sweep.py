@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from specdoctor.probe.api_common import cut_mismatch, tie_before
+from specdoctor.probe.api_common import as_completion, cut_mismatch, tie_before
 from specdoctor.probe.api_output_checks import stop_at
-from specdoctor.probe.api_structured_checks import CONSTRAINTS, ignored, structured_mismatch
-from specdoctor.probe.output_sweeps import TIE_MARGIN
+from specdoctor.probe.api_structured_checks import CONSTRAINTS, REASONED, ignored, judgeable, structured_mismatch
+from specdoctor.probe.output_sweeps import TIE_MARGIN, output_ids
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import probe
 
@@ -31,10 +31,14 @@ ALL_CHECKS = [
     "response_format json_object",
     "structured_outputs regex",
     "structured_outputs choice",
+    "json_schema after reasoning",
     "seed",
 ]
 STRUCTURED = [name for name in ALL_CHECKS if name.startswith(("response_format", "structured_outputs"))]
 WHITESPACE = "response_format json_object"  # the demo writes whitespace to the limit: no reply to judge, not run
+# the demo's chat replies carry no reasoning (serve runs no reasoning parser for it): not run
+# (tests/server/test_reasoning.py runs it on a reasoning checkpoint)
+NO_REASONING = "json_schema after reasoning"
 
 
 def api_checks(result) -> dict[str, dict]:
@@ -60,13 +64,14 @@ def test_a_healthy_server_passes_every_api_check(servers, reference):
     result = probe(servers["healthy"].url, "--api", *args, "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     checks = api_checks(result)
-    unverified = [WHITESPACE] + ([] if reference else ["repetition_penalty 1.5"])
+    unverified = [WHITESPACE, NO_REASONING] + ([] if reference else ["repetition_penalty 1.5"])
     verdicts = {name: check["verdict"] for name, check in checks.items()}
     assert verdicts == {name: "not run" if name in unverified else "passed" for name in ALL_CHECKS}
     assert all(checks[name]["requests"] >= 3 for name in ALL_CHECKS)
     assert checks["presence_penalty 1.5"]["requests"] == 9  # every battery prompt
     assert checks["logprobs"]["requests"] > 3  # the positions sent again as prompts
     assert "no reply finished within 64 tokens" in checks[WHITESPACE]["evidence"]
+    assert "no chat reply carries a reasoning" in checks[NO_REASONING]["evidence"]
     report = json.loads(result.stdout)
     warnings = [f["message"] for f in report["findings"] if f["severity"] == "warning"]
     assert len(warnings) == 1 and warnings[0].startswith("not verified: ")
@@ -106,7 +111,7 @@ def test_penalties_per_step_and_a_grammar_not_rolled_back_fail_the_checks_of_the
     # repetition: without a reference it needs one; with one, the replies part from speculation off (2 of 9) at
     # tokens it scales, whose scores log-probabilities do not show: not decided, and said
     assert not reference or "parts from speculation off" in checks["repetition_penalty 1.5"]["evidence"]
-    assert verdicts == expected | {"repetition_penalty 1.5": "not run"}
+    assert verdicts == expected | {"repetition_penalty 1.5": "not run", NO_REASONING: "not run"}
     # the schema's and the regex's replies break them (an invalid draft's state masks the token after it)
     assert structured["response_format json_schema"] == structured["structured_outputs regex"] == "failed"
     assert "does not match" in checks["structured_outputs regex"]["evidence"]
@@ -207,6 +212,25 @@ def test_a_finished_structured_reply_is_json_valid_against_its_schema(text, fini
         assert structured_mismatch({"choices": [{"text": "[1, 2]", "finish_reason": "stop"}]}, json_object) is None
         assert regex.breach("yes, 12.") is None and regex.breach("yes, 12. ") is not None
         assert choice.breach("gamma delta") is None and choice.breach("gamma") is not None
+
+
+def test_a_chat_reply_is_judged_on_its_content_once_its_reasoning_ended():
+    """A chat reply read in the completions' shape: the content is the text, the reasoning beside it, the
+    log-probability entries as parallel lists. One that finished inside its reasoning is not judged; one whose
+    reasoning ended is judged on its content alone."""
+    top = [{"token": "token_id:7", "logprob": -0.1}, {"token": "token_id:9", "logprob": -2.5}]
+    entries = {"content": [{"token": "token_id:7", "logprob": -0.1, "top_logprobs": top}]}
+    message = {"role": "assistant", "reasoning": "first, think", "content": '{"ok": true, "tag": "red", "n": 3}'}
+    chat = {"choices": [{"message": message, "token_ids": [7], "finish_reason": "stop", "logprobs": entries}]}
+    shaped = as_completion(chat)["choices"][0]
+    assert shaped["text"] == message["content"] and shaped["reasoning"] == "first, think"
+    assert shaped["logprobs"]["top_logprobs"] == [{"token_id:7": -0.1, "token_id:9": -2.5}]
+    assert output_ids(as_completion(chat)) == [7]
+    assert judgeable(as_completion(chat)) and structured_mismatch(as_completion(chat), REASONED) is None
+    broken = {**chat, "choices": [{**chat["choices"][0], "message": {**message, "content": ' the {"ok"'}}]}
+    assert "not JSON" in structured_mismatch(as_completion(broken), REASONED)
+    thinking = {**chat, "choices": [{**chat["choices"][0], "message": {**message, "content": None}}]}
+    assert not judgeable(as_completion(thinking)) and structured_mismatch(as_completion(thinking), REASONED) is None
 
 
 def test_a_field_the_server_ignores_is_told_from_a_broken_one():

@@ -26,6 +26,7 @@ from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.server.app import ServerState
 from specdoctor.server.metrics import ServerMetrics
 from specdoctor.server.protocol import ChatRequest, CompletionRequest
+from specdoctor.server.reasoning import ReasoningTemplate
 from specdoctor.server.reply import Reply, token_logprobs
 from specdoctor.server.scheduler import ContinuousScheduler, Job
 from specdoctor.server.text import StreamedText, apply_stop
@@ -306,6 +307,28 @@ def test_a_stream_never_sends_text_that_becomes_a_stop_string_and_ends_with_usag
     assert "".join(deltas) == apply_stop(TEXT, ["_config("])[0] == "def read"
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, None, "stop"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == completing_token(TOKENS, ["_config("])
+
+
+def test_a_reasoning_streams_apart_from_the_content_and_never_sends_the_start_of_its_close():
+    """A reasoning the prompt left open, closed by '_config(': the first step's text ends in '_', which may begin
+    the close, so the stream sends 'def read' as reasoning and holds the '_' back; the close is never sent; the
+    content follows as content deltas, and the whole message is the same split."""
+    thinking = ReasoningTemplate(("assistant:",), ("<think>",), ("_config(",), ((0,),))
+    jobs = [Job(SequenceRequest(PROMPT, 64))]
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
+    reply = Reply(server_state(), body, jobs, chat=True, thinking=thinking)
+    steps = [
+        step_update(TOKENS[:3]),
+        step_update(TOKENS[3:5]),
+        step_update(TOKENS[5:9]),
+        step_update(TOKENS[9:], "length"),
+    ]
+    deltas = [p["choices"][0]["delta"] for p in events_payloads(serve(reply, jobs, in_lockstep(steps)))]
+    assert [delta.get("reasoning") for delta in deltas] == ["def read", None, None, None, None]  # the last: its end
+    assert [delta["content"] for delta in deltas] == [None, "", "path):\n    return", " 1\n", ""]
+    whole = Reply(server_state(), body.model_copy(update={"stream": False}), jobs, chat=True, thinking=thinking)
+    message = whole.choice(0, TEXT, "length", False, (0, len(TOKENS)))["message"]
+    assert (message["reasoning"], message["content"]) == ("def read", "path):\n    return 1\n")
 
 
 def test_streamed_logprobs_cover_exactly_the_tokens_of_the_whole_reply():

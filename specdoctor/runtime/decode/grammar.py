@@ -5,6 +5,8 @@ rolled back, and the bitmask applied to the target's logits, so every emitted to
 drafter's own proposals are not masked (vLLM's are not); as vLLM's scheduler does, a step's emitted tokens advance
 the matcher for good and the next drafts are cut after their longest valid prefix: a cut draft is neither verified
 nor counted (the decision every rank reads carries it as CUT_BASE - token, so the pass still has a token there).
+Behind a reasoning parser a row's grammar waits until its end of reasoning completes in the output, and starts at
+the position after it, inside a step's drafts too (vLLM's ConstraintBounds).
 xgrammar, and the transformers it imports (about a second), are imported where a grammar is first used."""
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class GrammarRequest:
 
     kind: str
     spec: str = ""
+    # The token sequences that end a reasoning the prompt left open (a reasoning parser's): the grammar applies only
+    # after the first of them completes in the output. Empty: from the first token.
+    after: tuple[tuple[int, ...], ...] = ()
 
     def grammar(self):
         """xgrammar's Grammar for it; ValueError naming what is wrong when it cannot be one."""
@@ -97,12 +102,45 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
 
 
-class RowGrammars:
-    """A batch's matchers on the last rank, one per row (None where the row is unconstrained)."""
+@dataclass
+class ReasoningWait:
+    """A row whose grammar waits for the end of its reasoning: one of `ends` (token sequences) completing in its
+    output. `tail` keeps the last tokens emitted, as many as an end can need before the next one."""
 
-    def __init__(self, matchers: list, vocab_size: int, keep_rejected: bool = False):
+    ends: tuple[tuple[int, ...], ...]
+    tail: tuple[int, ...] = ()
+
+    def end_in(self, tokens: list[int]) -> int | None:
+        """The index in `tokens` (which follow those emitted) at which an end first completes, or None."""
+        seen = self.tail + tuple(tokens)
+        for i in range(len(tokens)):
+            upto = len(self.tail) + i + 1
+            if any(upto >= len(end) and seen[upto - len(end) : upto] == end for end in self.ends):
+                return i
+        return None
+
+    def emitted(self, tokens: list[int]) -> None:
+        keep = max(len(end) for end in self.ends) - 1
+        self.tail = (self.tail + tuple(tokens))[-keep:] if keep else ()
+
+
+class RowGrammars:
+    """A batch's matchers on the last rank, one per row (None where the row is unconstrained), and each row's wait
+    for its end of reasoning (None: the grammar applies from the next token)."""
+
+    def __init__(
+        self,
+        matchers: list,
+        vocab_size: int,
+        keep_rejected: bool = False,
+        waits: list[ReasoningWait | None] | None = None,
+        unmasked_after_end: bool = False,
+    ):
         self.matchers, self.vocab_size = matchers, vocab_size
         self.keep_rejected = keep_rejected  # --fault grammar-no-rollback: the walk through the drafts stays
+        self.waits = waits or [None] * len(matchers)
+        # --fault reasoning-end-unmasked: a step whose drafts end the reasoning masks none of its positions
+        self.unmasked_after_end = unmasked_after_end
 
     @property
     def active(self) -> bool:
@@ -121,8 +159,14 @@ class RowGrammars:
         for row, matcher in enumerate(self.matchers):
             if matcher is None or not active[row]:
                 continue
+            start, wait = 0, self.waits[row]
+            if wait is not None:  # position j follows the first j drafts: an end in draft j starts it at j + 1
+                end = wait.end_in(walked[row][: positions - 1])
+                if end is None or self.unmasked_after_end:
+                    continue
+                start = end + 1
             advanced = 0
-            for j in range(positions):
+            for j in range(start, positions):
                 if matcher.is_terminated():
                     break
                 matcher.fill_next_token_bitmask(bitmask, row * positions + j)
@@ -143,14 +187,22 @@ class RowGrammars:
             return decision
         host = decision.tolist()
         for row in rows:
-            matcher, (accepted, *rest) = self.matchers[row], host[row]
-            for token in rest[: accepted + 1]:
+            matcher, wait, (accepted, *rest) = self.matchers[row], self.waits[row], host[row]
+            emitted, drafts = rest[: accepted + 1], rest[k + 1 :]
+            drafts = drafts[: next((j for j, token in enumerate(drafts) if token < 0), len(drafts))]  # < 0: none
+            first = 0  # the first draft the grammar judges
+            if wait is not None and (end := wait.end_in(emitted)) is not None:
+                self.waits[row], emitted = None, emitted[end + 1 :]
+            elif wait is not None:
+                wait.emitted(emitted)
+                if (end := wait.end_in(drafts)) is None:
+                    continue
+                emitted, first = [], end + 1
+            for token in emitted:
                 if matcher.is_terminated() or not matcher.accept_token(token):
                     break
             walked = 0
-            for j, token in enumerate(rest[k + 1 :]):
-                if token < 0:  # no drafts (a plain step next)
-                    break
+            for j, token in enumerate(drafts[first:], start=first):
                 if matcher.is_terminated() or not matcher.accept_token(token):
                     host[row][k + 2 + j :] = [CUT_BASE - t for t in rest[k + 1 + j :]]
                     break
@@ -163,7 +215,10 @@ class RowGrammars:
     def join(sources: list["RowGrammars"], rows: list[int] | None) -> "RowGrammars":
         matchers = [matcher for source in sources for matcher in source.matchers]
         kept = matchers if rows is None else [matchers[r] for r in rows]
-        return RowGrammars(kept, sources[0].vocab_size, sources[0].keep_rejected)
+        waits = [wait for source in sources for wait in source.waits]
+        kept_waits = waits if rows is None else [waits[r] for r in rows]
+        first = sources[0]
+        return RowGrammars(kept, first.vocab_size, first.keep_rejected, kept_waits, first.unmasked_after_end)
 
 
 def batch_grammars(model, sequences: list, k: int) -> RowGrammars:
@@ -177,12 +232,15 @@ def batch_grammars(model, sequences: list, k: int) -> RowGrammars:
 
     if model.tokenizer is None:
         raise SpecdoctorError("structured output needs the model's tokenizer.json (or --tokenizer)")
-    compiler, matchers = grammar_compiler(model.tokenizer, vocab, model.eos_token_ids), []
+    compiler, matchers, waits = grammar_compiler(model.tokenizer, vocab, model.eos_token_ids), [], []
     for sequence in sequences:
-        if sequence.grammar is None:
+        grammar = sequence.grammar
+        waits.append(ReasoningWait(grammar.after) if grammar is not None and grammar.after else None)
+        if grammar is None:
             matchers.append(None)
             continue
-        compiled = compiler.compile_grammar(sequence.grammar.grammar())
+        compiled = compiler.compile_grammar(grammar.grammar())
         stops = list(sequence.stop_token_ids) or None
         matchers.append(xgr.GrammarMatcher(compiled, override_stop_tokens=stops, max_rollback_tokens=k))
-    return RowGrammars(matchers, vocab, keep_rejected=model.faults.grammar_no_rollback)
+    faults = model.faults
+    return RowGrammars(matchers, vocab, faults.grammar_no_rollback, waits, faults.reasoning_end_unmasked)

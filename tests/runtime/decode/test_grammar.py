@@ -19,6 +19,7 @@ from specdoctor.runtime.checkpoint.tokenizer import TOKENIZER_FILE, TextCodec, m
 from specdoctor.runtime.decode.grammar import (
     CUT_BASE,
     GrammarRequest,
+    ReasoningWait,
     RowGrammars,
     grammar_compiler,
     real_drafts,
@@ -111,6 +112,67 @@ def test_a_steps_tokens_advance_the_matcher_and_the_next_drafts_are_cut_after_th
     assert torch.equal(masked[0, 0], xgrammar_masked(logits[0, 0], fresh_matcher(JSON, WALK[:6])))
     assert torch.equal(masked[1, 0], xgrammar_masked(logits[1, 0], fresh_matcher(JSON, WALK[:4])))
     assert torch.equal(masked[2], logits[2].float())
+
+
+END, THINK = 370, 14  # a reasoning's end (' """', one token) and a token of its text
+
+
+@pytest.mark.parametrize("unmasked_after_end", [False, True], ids=["healthy", "reasoning-end-unmasked"])
+def test_a_rows_grammar_starts_after_its_reasoning_ends_inside_the_drafts(unmasked_after_end):
+    """Behind a reasoning parser, position j follows the first j drafts: row 0's end is its second draft, so
+    positions 0 and 1 are free and position 2 on masked from the grammar's start; row 1's end is two tokens, the
+    first emitted already and the second its first draft; row 2's reasoning goes on through the step (free). With
+    the fault, a step whose drafts end the reasoning masks nothing. The walk is rolled back either way."""
+    end_pair = (THINK, END)
+    waits = [ReasoningWait(((END,),)), ReasoningWait((end_pair,), tail=(THINK,)), ReasoningWait(((END,),))]
+    matchers = [fresh_matcher(JSON, []) for _ in range(3)]
+    grammars = RowGrammars(matchers, VOCAB, waits=waits, unmasked_after_end=unmasked_after_end)
+    logits = torch.randn(3, 4, VOCAB, generator=torch.Generator().manual_seed(2))
+    drafts = torch.tensor([[THINK, END, WALK[0]], [END, WALK[0], WALK[1]], [THINK, THINK, THINK]])
+    masked = grammars.constrain(logits, drafts, [True, True, True])
+    assert torch.equal(masked[2], logits[2].float())
+    if unmasked_after_end:
+        assert torch.equal(masked, logits.float())
+        return
+    assert torch.equal(masked[0, :2], logits[0, :2].float()) and torch.equal(masked[1, :1], logits[1, :1].float())
+    for row, start in ((0, 2), (1, 1)):
+        for j in range(start, 4):
+            walked = drafts[row, start:j].tolist()
+            assert torch.equal(masked[row, j], xgrammar_masked(logits[row, j], fresh_matcher(JSON, walked)))
+    again = grammars.constrain(logits[:, :1], None, [True, True, True])  # still waiting: nothing was emitted
+    assert torch.equal(again, logits[:, :1].float())
+
+
+def test_a_steps_tokens_after_the_end_of_reasoning_advance_the_matcher_and_later_drafts_are_cut():
+    """k 3. Row 0 emits a reasoning token, the end and a first JSON token: the matcher is past that token alone and
+    the row no longer waits. Row 1 emits reasoning only; its next drafts end the reasoning, then one the grammar rules
+    out (cut); it still waits, with the tokens it emitted kept for an end that spans steps."""
+    k, pad = 3, -1
+    ruled_out = int((~allowed(fresh_matcher(JSON, []))).nonzero()[0])
+    waits = [ReasoningWait(((END,),)), ReasoningWait(((END,),))]
+    grammars = RowGrammars([fresh_matcher(JSON, []), fresh_matcher(JSON, [])], VOCAB, waits=waits)
+    decision = torch.tensor(
+        [
+            [2, THINK, END, WALK[0], pad, pad, pad, pad],
+            [0, THINK, pad, pad, pad, END, ruled_out, WALK[0]],
+        ]
+    )
+    cut = grammars.advance_and_cut(decision, k, [True, True])
+    assert torch.equal(cut[0], decision[0])
+    assert cut[1, k + 2 :].tolist() == [END, CUT_BASE - ruled_out, CUT_BASE - WALK[0]]
+    assert grammars.waits[0] is None and grammars.waits[1].tail == ()  # a one-token end keeps no tail
+    logits = torch.randn(2, 1, VOCAB, generator=torch.Generator().manual_seed(4))
+    masked = grammars.constrain(logits, None, [True, True])
+    assert torch.equal(masked[0, 0], xgrammar_masked(logits[0, 0], fresh_matcher(JSON, WALK[:1])))
+    assert torch.equal(masked[1, 0], logits[1, 0].float())
+
+
+def test_a_reasoning_end_is_found_across_the_tokens_emitted_before():
+    wait = ReasoningWait(((THINK, END), (5, 6, 7)))
+    wait.emitted([1, 5])
+    assert wait.tail == (1, 5) and wait.end_in([6, 7, 9]) == 1 and wait.end_in([6, 9]) is None
+    wait.emitted([6])
+    assert wait.tail == (5, 6) and wait.end_in([7]) == 0 and wait.end_in([THINK, END]) == 1
 
 
 @pytest.mark.parametrize(
