@@ -64,4 +64,4 @@ def serve(
     if max_waiting != DEFAULT_MAX_WAITING:
         raise SpecdoctorError("--max-waiting bounds specdoctor's own queue: vLLM queues requests its own way")
     refuse_runtime_only(runtime, RuntimeOptions(model=runtime.model, **SERVE_DEFAULTS))
-    run_vllm_serve(options, passed + (["--reasoning-parser", reasoning_parser] if reasoning_parser else []))
+    run_vllm_serve(options, passed)

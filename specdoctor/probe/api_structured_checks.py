@@ -113,7 +113,7 @@ def structured_check(asker: Asker, prompts: list, plain: Plain, constraint: Cons
         why = "no chat reply carries a reasoning: the server runs no reasoning parser, or the prompt opens none"
         return ApiCheck(label, "structured", len(requests), NOT_RUN, why)
     theirs = asker.ask(requests, reference=True, chat=chat) if asker.reference else [None] * len(requests)
-    uncompared = any(reply is not None and refused(reply) for reply in theirs)
+    uncompared = next((why for why, holds in uncomparable(theirs, chat) if holds), None)
     if uncompared:  # its own rules still hold: JSON, the schema, alone as in a batch
         theirs = [None] * len(requests)
     alone = asker.ask(requests, concurrency=1, chat=chat)
@@ -135,8 +135,21 @@ def structured_check(asker: Asker, prompts: list, plain: Plain, constraint: Cons
         return ApiCheck(label, "structured", len(requests) * 2, NOT_RUN, why)
     checked = verdict_of(label, "structured", cases)
     if uncompared:
-        checked.evidence += "; not compared with speculation off: the reference refuses it"
+        checked.evidence += f"; not compared with speculation off: {uncompared}"
     return checked
+
+
+def uncomparable(theirs: list[dict | None], chat: bool) -> list[tuple[str, bool]]:
+    """(why, whether it holds) for each reason the reference's replies cannot stand for this check's: it refuses
+    the field, or (a chat check) it splits no reasoning from them, so its grammar ran from the first token."""
+    replies = [reply for reply in theirs if reply is not None]
+    return [
+        ("the reference refuses it", any(refused(reply) for reply in replies)),
+        (
+            "the reference splits no reasoning from its replies",
+            chat and bool(replies) and not any(first_choice(reply).get("reasoning") for reply in replies),
+        ),
+    ]
 
 
 def parted(reply: dict, other: dict) -> str | None:
@@ -150,7 +163,7 @@ def parted(reply: dict, other: dict) -> str | None:
 def judgeable(reply: dict) -> bool:
     """The reply finished ("stop"), and where the server split off a reasoning, that reasoning ended (content)."""
     choice = first_choice(reply)
-    return choice.get("finish_reason") == "stop" and not (choice.get("reasoning") and choice.get("text") is None)
+    return choice.get("finish_reason") == "stop" and choice.get("text") is not None
 
 
 def structured_mismatch(reply: dict, constraint: Constraint) -> str | None:

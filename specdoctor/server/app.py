@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 from specdoctor.runtime.compile_status import compile_totals
+from specdoctor.runtime.decode.grammar import GrammarRequest
 from specdoctor.runtime.decode.requests import SequenceRequest
 from specdoctor.runtime.engine import Engine
 from specdoctor.runtime.sampling import SamplingParams
@@ -145,7 +146,7 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
         default_max_tokens: int | None,
         thinking: ReasoningTemplate | None = None,
     ):
-        reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens, thinking), chat, thinking)
+        reply = Reply(state, body, make_jobs(state, body, prompts, default_max_tokens), chat, thinking)
         scheduler.enqueue(reply.jobs)  # before the response starts, so a full queue is still a 429
         if body.stream:
             return StreamingResponse(reply.events(scheduler), media_type="text/event-stream")
@@ -156,15 +157,10 @@ def create_app(state: ServerState, scheduler: ContinuousScheduler) -> FastAPI:
 
 
 def make_jobs(
-    state: ServerState,
-    body: CompletionRequest | ChatRequest,
-    prompts: list,
-    default_max_tokens: int | None,
-    thinking: ReasoningTemplate | None = None,
+    state: ServerState, body: CompletionRequest | ChatRequest, prompts: list, default_max_tokens: int | None
 ) -> list[Job]:
     """Validate a request into its jobs, n per prompt (choice index = prompt index * n + i); None as the
-    default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's. With
-    `thinking` (the prompts leave a reasoning open), structured output starts after its end."""
+    default limit means: up to the context. A seeded request's choice i samples with seed + i, as vLLM's."""
     if body.model not in (None, state.model_name):
         raise RequestError(
             f"model {body.model!r} is not served here (serving {state.model_name!r})",
@@ -180,8 +176,6 @@ def make_jobs(
         raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.engine.eos_token_ids)
     logprobs, grammar = body.logprob_count(), body.grammar()
-    if grammar is not None and thinking is not None:
-        grammar = dataclasses.replace(grammar, after=thinking.end_ids)
     if body.stream and body.prompt_logprobs is not None:
         raise RequestError("prompt_logprobs are not available when stream=True (as in vLLM)", "prompt_logprobs")
     jobs = []
@@ -195,14 +189,24 @@ def make_jobs(
                 "max_tokens",
             )
         adjustments = body.adjustments(vocab, max_tokens, limit_given=body.token_limit is not None)
+        constrained = after_reasoning(state, prompt, grammar)
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
             sampling = SamplingParams(float(body.temperature), max(0, body.top_k), float(body.top_p), seed)
             sequence = SequenceRequest(
-                ids, max_tokens, sampling, stop_ids, logprobs, adjustments, grammar, body.prompt_logprobs
+                ids, max_tokens, sampling, stop_ids, logprobs, adjustments, constrained, body.prompt_logprobs
             )
             jobs.append(Job(sequence))
     return jobs
+
+
+def after_reasoning(state: ServerState, prompt: str | list[int], grammar: GrammarRequest | None):
+    """The grammar, waiting for the end of the reasoning where the prompt leaves one open (vLLM asks it of every
+    request's prompt, completions too, decoded with its special tokens)."""
+    if grammar is None or state.reasoning is None:
+        return grammar
+    text = prompt if isinstance(prompt, str) else state.codec.decode(prompt, skip_special_tokens=False)
+    return dataclasses.replace(grammar, after=state.reasoning.end_ids) if state.reasoning.open_after(text) else grammar
 
 
 def prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:

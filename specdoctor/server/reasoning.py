@@ -13,7 +13,7 @@ from specdoctor.errors import SpecdoctorError
 from specdoctor.runtime.checkpoint.tokenizer import TextCodec
 
 REASONING_PARSERS = ("hf",)  # vLLM's parser that reads the checkpoint's response_template
-THINKING, CONTENT = "thinking", "content"  # the template's field names vLLM serves
+THINKING = "thinking"  # the template's field vLLM reads the reasoning's literals from
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,10 @@ def reasoning_template(parser: str, model_path: Path, codec: TextCodec) -> Reaso
     where = model_path / "tokenizer_config.json"
     try:
         template = json.loads(where.read_text(encoding="utf-8")).get("response_template")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # unreadable, not UTF-8 or not JSON, not an object
         template = None
-    thinking = template.get("fields", {}).get(THINKING) if isinstance(template, dict) else None
+    fields = template.get("fields") if isinstance(template, dict) else None
+    thinking = fields.get(THINKING) if isinstance(fields, dict) else None
     if not isinstance(thinking, dict):
         raise SpecdoctorError(f"{where}: --reasoning-parser hf needs a response_template with a thinking field")
     literals = [literal_list(template, "start_anchor"), literal_list(thinking, "open"), literal_list(thinking, "close")]

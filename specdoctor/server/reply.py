@@ -25,16 +25,19 @@ class Reply:
     ):
         self.state, self.body, self.jobs, self.chat = state, body, jobs, chat
         self.thinking = thinking  # the reasoning the prompt left open: each message split into reasoning and content
+        # Behind a reasoning parser a chat reply's text keeps its special tokens, as vLLM's `hf` parser asks: a close
+        # may be one.
+        self.skip_special = not (chat and state.reasoning is not None)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stops = body.stop_strings()
         self.min_tokens = body.min_tokens
-        self.texts = {job.id: StreamedText(state.codec, self.stops, self.min_tokens) for job in jobs}
+        self.texts = {job.id: StreamedText(state.codec, self.stops, self.min_tokens, self.skip_special) for job in jobs}
         for job in jobs:
             job.should_stop = self.texts[job.id].feed if self.stops else None
 
     def decode(self, tokens: list[int]) -> str:
-        return self.state.codec.decode(tokens)
+        return self.state.codec.decode(tokens, self.skip_special)
 
     def stopped(self, tokens: list[int]) -> bool:
         return self.cut(tokens)[1]
@@ -104,6 +107,8 @@ class Reply:
             message = {"role": "assistant", "content": content}
             if self.thinking is not None and (reasoning or not delta):  # a delta carries it while it grows
                 message["reasoning"] = reasoning or None
+            if self.thinking is not None and not delta:  # vLLM's message: null where nothing follows the close
+                message["content"] = content or None
             key = "delta" if delta else "message"
             found = {"index": index, key: message, "logprobs": shown, "finish_reason": reason}
         if self.body.return_token_ids:  # as vLLM returns them: the prompt's once, then the output's
@@ -115,7 +120,7 @@ class Reply:
         """OpenAI's shapes: chat's `content` list, or the completions API's parallel lists."""
         if self.chat:
             return {"content": [self.chat_entry(token, lp, top) for token, (lp, top) in entries]}
-        texts = [self.decode([token]) for token, _ in entries]
+        texts = [self.entry_text(token) for token, _ in entries]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {
             "tokens": [self.token_label(token) for token, _ in entries],
@@ -127,11 +132,16 @@ class Reply:
     def token_label(self, token: int) -> str:
         """A token as log-probability entries name it: its text, or "token_id:N" when the request asked (vLLM's
         spelling; texts collide where tokens decode alike)."""
-        return f"token_id:{token}" if self.body.return_tokens_as_token_ids else self.decode([token])
+        return f"token_id:{token}" if self.body.return_tokens_as_token_ids else self.entry_text(token)
+
+    def entry_text(self, token: int) -> str:
+        """One token's text in a log-probability entry: decoded alone with special tokens named, as vLLM decodes
+        each entry (an end-of-sequence id is '<|endoftext|>' there, where the reply's text leaves it out)."""
+        return self.state.codec.decode([token], skip_special_tokens=False)
 
     def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
         def described(token: int, value: float) -> dict:
-            text = self.decode([token])
+            text = self.entry_text(token)
             return {"token": self.token_label(token), "logprob": shown(value), "bytes": list(text.encode())}
 
         return {**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}

@@ -39,10 +39,10 @@ def apply_stop(text: str, stops: list[str], floor: int = 0) -> tuple[str, bool]:
 class StreamedText:
     """One job's text so far: `feed` it the job's tokens after each step."""
 
-    def __init__(self, codec: TextCodec, stops: list[str], min_tokens: int = 0):
-        self.codec, self.stops, self.min_tokens = codec, stops, min_tokens
+    def __init__(self, codec: TextCodec, stops: list[str], min_tokens: int = 0, skip_special: bool = True):
+        self.codec, self.stops, self.min_tokens, self.skip_special = codec, stops, min_tokens, skip_special
         self.reach = max((len(stop) for stop in stops), default=1) - 1  # how far back a stop can begin
-        self.decoder = DecodeStream(skip_special_tokens=True)  # as TextCodec.decode skips them
+        self.decoder = DecodeStream(skip_special_tokens=skip_special)  # as the reply's whole decode
         self.text = ""
         self.ends: list[int] = []  # the text's length after each token fed
         self.stop: tuple[int, int] | None = None  # (begin, end) of the stop string met, once one has appeared
@@ -78,7 +78,7 @@ class StreamedText:
                 raise
             # Some byte-fallback sequences decode to text that does not extend the text before, which breaks the
             # stream's state: a new stream starts at this token (its text is appended, never rewritten).
-            self.decoder, self.restarted = DecodeStream(skip_special_tokens=True), True
+            self.decoder, self.restarted = DecodeStream(skip_special_tokens=self.skip_special), True
             return self.decoder.step(self.codec.tokenizer, token)
 
     @property

@@ -48,7 +48,7 @@ def check_port_free(host: str, port: int) -> None:
 def run_serve(options: ServeOptions) -> None:
     from specdoctor.runtime.checkpoint.files import DEMO_MODELS
     from specdoctor.runtime.checkpoint.reader import Checkpoint
-    from specdoctor.runtime.checkpoint.tokenizer import load_codec
+    from specdoctor.runtime.checkpoint.tokenizer import load_codec, tokenizer_file
     from specdoctor.runtime.engine import Engine
     from specdoctor.runtime.partition import placements
     from specdoctor.server.app import ServerState, serve_http
@@ -62,8 +62,9 @@ def run_serve(options: ServeOptions) -> None:
     checkpoint.require_runnable()
     placements(checkpoint.config, runtime.pp, runtime.pp_partition)  # bad flags fail before anything starts
     codec = load_codec(checkpoint, runtime.tokenizer, needed_for="to serve text")
+    tokenizer_dir = tokenizer_file(checkpoint.path, runtime.tokenizer).parent  # its templates, as vLLM reads them
     parser = options.reasoning_parser
-    reasoning = reasoning_template(parser, checkpoint.path, codec) if parser else None
+    reasoning = reasoning_template(parser, tokenizer_dir, codec) if parser else None
     check_port_free(options.host, options.port)
     name = options.runtime.model if options.runtime.model in DEMO_MODELS else checkpoint.path.name
     console.print(f"loading {name} on {runtime.tp * runtime.pp} rank(s)", highlight=False)
@@ -77,7 +78,7 @@ def run_serve(options: ServeOptions) -> None:
             raise SpecdoctorError(f"refusing to start: {errors[0].message} (--allow-unhealthy serves anyway)")
         speculative = runtime.num_speculative_tokens > 0
         metrics = ServerMetrics(name, speculative, compiled=runtime.compile)
-        template = chat_template(checkpoint.path)
+        template = chat_template(tokenizer_dir)
         limits = (options.max_num_seqs, options.max_waiting)
         state = ServerState(engine, codec, name, template, options.api_key, metrics, *limits, reasoning)
         listening = (

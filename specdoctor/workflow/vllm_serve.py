@@ -28,6 +28,7 @@ def run_vllm_serve(options, passed: list[str]) -> None:
     arguments = vllm_arguments(runtime, checkpoint, drafter, k, passed, token_ids_only=False)
     arguments += ["--host", options.host, "--port", str(options.port), "--max-num-seqs", str(options.max_num_seqs)]
     arguments += ["--api-key", options.api_key] if options.api_key else []
+    arguments += ["--reasoning-parser", options.reasoning_parser] if options.reasoning_parser else []
     code, reports = launch.serve_vllm(arguments, repair=not options.allow_unhealthy)
     broken = [f"{name}: {line}" for name, report in sorted(reports.items()) for line in still_broken(report)]
     # serve refuses to start, as its own runtime does: exit 2, a line per tensor and worker

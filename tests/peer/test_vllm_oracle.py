@@ -389,8 +389,14 @@ def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and
     try:
         result = probe(ours.url, "--api", "--reference-url", reference.url)
         stopped = [stopped_at_a_token_id(server.url) for server in (ours, reference)]
+        named = [prompt_entry_names(server.url) for server in (ours, reference)]
+        waited = [completion_after_a_reasoning(server.url) for server in (ours, reference)]
     finally:
         ours.stop()
+    # each log-probability entry named as vLLM decodes it alone, an end-of-sequence id included
+    assert named[0] == named[1] and "<|endoftext|>" in named[0], named
+    # a completion whose prompt opens the thinking: the schema starts after its end on both
+    assert waited[0] == waited[1] and not waited[0][1].lstrip().startswith("{"), waited
     # A reply ended by a stop token id: vLLM names the id as its last token, counts it in usage and gives it a
     # log-probability; serve the same
     assert stopped[0][:2] == stopped[1][:2] and stopped[0][2] == pytest.approx(stopped[1][2], abs=1e-4), stopped
@@ -405,6 +411,25 @@ def test_every_request_field_gives_vllms_tokens_on_serve_with_speculation_on_and
     assert set(verdicts.values()) == {"passed", "not run"} and len(verdicts) == 16, verdicts
     assert [name for name, verdict in verdicts.items() if verdict == "not run"] == ["response_format json_object"]
     assert f"against {reference.url}" in api["summary"]
+
+
+def prompt_entry_names(url: str) -> list[str]:
+    """The names each prompt position's own log-probability entry gets, for a prompt of token ids with the
+    end-of-sequence id inside it."""
+    codec = TextCodec(DEMO_DIR / "tokenizer.json")
+    ids = codec.encode("import os\n") + [codec.tokenizer.token_to_id("<|endoftext|>")] + codec.encode("def main(")
+    body = {"model": "demo", "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    entries = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["prompt_logprobs"]
+    return [entry[str(token)]["decoded_token"] for token, entry in zip(ids[1:], entries[1:], strict=True)]
+
+
+def completion_after_a_reasoning(url: str) -> tuple[list[int], str]:
+    """(token ids, text) of a completion under a JSON schema whose prompt is a chat turn that opens the thinking."""
+    prompt = "user: class Parser:\nassistant:<think>"
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 48, "temperature": 0, "return_token_ids": True}
+    body["structured_outputs"] = {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return choice["token_ids"], choice["text"]
 
 
 def stopped_at_a_token_id(url: str) -> tuple[list[int], int, list[float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.reasoning import save_thinking_demo
 from tests.helpers.servers import SpecdoctorServer as Server
 
 DUMMY_PAST = 1024  # the faulty server's drafter-max-position: under the demo's 2,048-token context
@@ -15,13 +16,21 @@ FAULTS = (
 
 
 @pytest.fixture(scope="package")
-def servers():
+def thinking_demo(tmp_path_factory):
+    """The demo as a reasoning model's checkpoint (tests/helpers/reasoning.py): the healthy server and the
+    reference serve it with their reasoning parser on, so the API sweep's schema after a reasoning runs."""
+    return save_thinking_demo(tmp_path_factory.mktemp("probe") / "demo")
+
+
+@pytest.fixture(scope="package")
+def servers(thinking_demo):
+    reasoning = ("--reasoning-parser", "hf")
     started = {
-        "healthy": Server("--pp", "2", "--num-speculative-tokens", "3"),
+        "healthy": Server("--pp", "2", "--num-speculative-tokens", "3", *reasoning, model=str(thinking_demo)),
         # "stale": the unloaded embedding holds another weight's bytes, as a caching allocator's reused
         # block would; unlike "empty" it is the same on every run.
         "broken": Server("--pp", "2", "--drafter-policy", "engine-legacy", "--fill", "stale", "--allow-unhealthy"),
-        "off": Server("--num-speculative-tokens", "0"),
+        "off": Server("--num-speculative-tokens", "0", *reasoning, model=str(thinking_demo)),
         # Every fault a sweep exists to find, at once: each touches only its own sweep's traffic (long prompts,
         # concurrent requests, sampled ones), which the healthy server's passing sweeps show.
         "faulty": Server("--pp", "2", "--fault", ",".join(FAULTS), "--allow-unhealthy"),

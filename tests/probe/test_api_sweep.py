@@ -10,7 +10,14 @@ import pytest
 
 from specdoctor.probe.api_common import as_completion, cut_mismatch, tie_before
 from specdoctor.probe.api_output_checks import stop_at
-from specdoctor.probe.api_structured_checks import CONSTRAINTS, REASONED, ignored, judgeable, structured_mismatch
+from specdoctor.probe.api_structured_checks import (
+    CONSTRAINTS,
+    REASONED,
+    ignored,
+    judgeable,
+    structured_mismatch,
+    uncomparable,
+)
 from specdoctor.probe.output_sweeps import TIE_MARGIN, output_ids
 from tests.helpers.servers import SpecdoctorServer as Server
 from tests.helpers.servers import probe
@@ -36,8 +43,8 @@ ALL_CHECKS = [
 ]
 STRUCTURED = [name for name in ALL_CHECKS if name.startswith(("response_format", "structured_outputs"))]
 WHITESPACE = "response_format json_object"  # the demo writes whitespace to the limit: no reply to judge, not run
-# the demo's chat replies carry no reasoning (serve runs no reasoning parser for it): not run
-# (tests/server/test_reasoning.py runs it on a reasoning checkpoint)
+# the healthy server and the reference serve the demo as a reasoning checkpoint with their parser on (conftest.py);
+# the fault servers serve the demo itself, whose chat replies carry no reasoning: not run there
 NO_REASONING = "json_schema after reasoning"
 
 
@@ -64,14 +71,13 @@ def test_a_healthy_server_passes_every_api_check(servers, reference):
     result = probe(servers["healthy"].url, "--api", *args, "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     checks = api_checks(result)
-    unverified = [WHITESPACE, NO_REASONING] + ([] if reference else ["repetition_penalty 1.5"])
+    unverified = [WHITESPACE] + ([] if reference else ["repetition_penalty 1.5"])
     verdicts = {name: check["verdict"] for name, check in checks.items()}
     assert verdicts == {name: "not run" if name in unverified else "passed" for name in ALL_CHECKS}
     assert all(checks[name]["requests"] >= 3 for name in ALL_CHECKS)
     assert checks["presence_penalty 1.5"]["requests"] == 9  # every battery prompt
     assert checks["logprobs"]["requests"] > 3  # the positions sent again as prompts
     assert "no reply finished within 64 tokens" in checks[WHITESPACE]["evidence"]
-    assert "no chat reply carries a reasoning" in checks[NO_REASONING]["evidence"]
     report = json.loads(result.stdout)
     warnings = [f["message"] for f in report["findings"] if f["severity"] == "warning"]
     assert len(warnings) == 1 and warnings[0].startswith("not verified: ")
@@ -112,6 +118,7 @@ def test_penalties_per_step_and_a_grammar_not_rolled_back_fail_the_checks_of_the
     # tokens it scales, whose scores log-probabilities do not show: not decided, and said
     assert not reference or "parts from speculation off" in checks["repetition_penalty 1.5"]["evidence"]
     assert verdicts == expected | {"repetition_penalty 1.5": "not run", NO_REASONING: "not run"}
+    assert "no chat reply carries a reasoning" in checks[NO_REASONING]["evidence"]  # the demo itself: no parser
     # the schema's and the regex's replies break them (an invalid draft's state masks the token after it)
     assert structured["response_format json_schema"] == structured["structured_outputs regex"] == "failed"
     assert "does not match" in checks["structured_outputs regex"]["evidence"]
@@ -231,6 +238,14 @@ def test_a_chat_reply_is_judged_on_its_content_once_its_reasoning_ended():
     assert "not JSON" in structured_mismatch(as_completion(broken), REASONED)
     thinking = {**chat, "choices": [{**chat["choices"][0], "message": {**message, "content": None}}]}
     assert not judgeable(as_completion(thinking)) and structured_mismatch(as_completion(thinking), REASONED) is None
+    # an end-of-sequence token first, inside the reasoning: nothing at all, not judged either
+    empty = {**chat, "choices": [{**chat["choices"][0], "message": {"role": "assistant", "content": None}}]}
+    assert not judgeable(as_completion(empty))
+    # a reference that splits no reasoning ran its grammar from the first token: its replies are not compared
+    unsplit = {"role": "assistant", "content": ' first, think{"ok": true}'}
+    plain_reference = [as_completion({"choices": [{**chat["choices"][0], "message": unsplit}]}), as_completion(empty)]
+    assert dict(uncomparable(plain_reference, chat=True))["the reference splits no reasoning from its replies"]
+    assert not any(holds for _, holds in uncomparable([as_completion(chat)], chat=True))
 
 
 def test_a_field_the_server_ignores_is_told_from_a_broken_one():

@@ -196,6 +196,24 @@ def test_chat_logprobs_are_content_entries_with_their_utf8_bytes_and_top_alterna
     assert delta["delta"] == {"role": "assistant", "content": "de"} and "message" not in delta
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_an_end_of_sequence_ids_entry_names_the_token_its_text_left_out(chat):
+    """The end-of-sequence id that ended a reply: its log-probability entry named as vLLM decodes each entry (one
+    token, special tokens kept: '<|endoftext|>'), while the reply's text leaves it out."""
+    eos = CODEC.tokenizer.token_to_id("<|endoftext|>")
+    job = finished_job([*TOKENS, eos], "stop", logprobs=1)
+    job.tokens, job.stop_token = list(TOKENS), eos
+    body = (
+        ChatRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=1)
+        if chat
+        else CompletionRequest(prompt="import os\n", logprobs=1)
+    )
+    choice = Reply(server_state(), body, [job], chat=chat).choice(0, TEXT, "stop", False, (0, len(TOKENS) + 1))
+    named = [e["token"] for e in choice["logprobs"]["content"]] if chat else choice["logprobs"]["tokens"]
+    assert named[-1] == "<|endoftext|>" and "".join(named[:-1]) == TEXT
+    assert (choice["message"]["content"] if chat else choice["text"]) == TEXT
+
+
 def test_no_logprobs_unless_asked_for():
     job = finished_job(TOKENS, "length")
     reply = Reply(server_state(), CompletionRequest(prompt="x"), [job], chat=False)
@@ -329,6 +347,22 @@ def test_a_reasoning_streams_apart_from_the_content_and_never_sends_the_start_of
     whole = Reply(server_state(), body.model_copy(update={"stream": False}), jobs, chat=True, thinking=thinking)
     message = whole.choice(0, TEXT, "length", False, (0, len(TOKENS)))["message"]
     assert (message["reasoning"], message["content"]) == ("def read", "path):\n    return 1\n")
+
+
+def test_behind_a_reasoning_parser_a_chat_replys_text_keeps_special_tokens_so_a_special_close_is_found():
+    """vLLM's `hf` parser turns skip_special_tokens off for chat requests: a close that is a special token (here the
+    demo's only one) splits the reply, and nothing follows it: content null, as vLLM's message has it."""
+    eos = CODEC.tokenizer.token_to_id("<|endoftext|>")
+    thinking = ReasoningTemplate(("assistant:",), ("<think>",), ("<|endoftext|>",), ((eos,),))
+    state = server_state()
+    state.reasoning = thinking
+    job = finished_job([*TOKENS, eos], "length")
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}])
+    text, _ = Reply(state, body, [job], chat=True, thinking=thinking).finish(job)
+    message = Reply(state, body, [job], chat=True, thinking=thinking).choice(0, text, "length", False, (0, 12))
+    assert text == TEXT + "<|endoftext|>" and message["message"]["reasoning"] == TEXT
+    assert message["message"]["content"] is None
+    assert Reply(server_state(), body, [job], chat=True).finish(job)[0] == TEXT  # no parser: special tokens skipped
 
 
 def test_streamed_logprobs_cover_exactly_the_tokens_of_the_whole_reply():

@@ -132,7 +132,7 @@ def test_a_stream_decodes_each_token_once_not_the_whole_text_every_step(monkeypa
     reply = Reply(server_state(), CompletionRequest(prompt="x", stream=True, stop=["never"]), jobs, chat=False)
     decoded: list[int] = []
     whole_decode = CODEC.decode
-    monkeypatch.setattr(CODEC, "decode", lambda ids: decoded.append(len(ids)) or whole_decode(ids))
+    monkeypatch.setattr(CODEC, "decode", lambda ids, *skip: decoded.append(len(ids)) or whole_decode(ids, *skip))
 
     async def consume(reply, scheduler, step):
         events = reply.events(scheduler)

@@ -73,8 +73,8 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_codec(checkpoint, option: str | None, needed_for: str | None = None) -> TextCodec | None:

@@ -224,23 +224,21 @@ class RowGrammars:
 def batch_grammars(model, sequences: list, k: int) -> RowGrammars:
     """The last rank's matchers for a batch's rows (`model` a RankModel). Each grammar is compiled for the model's
     tokenizer and ends at the row's stop ids (vLLM's `override_stop_tokens`: the EOS ids and the request's
-    stop_token_ids); a matcher can roll back a step's k drafts."""
-    vocab = model.stage.config.vocab_size
-    if all(sequence.grammar is None for sequence in sequences):
-        return RowGrammars([None] * len(sequences), vocab)
-    import xgrammar as xgr
+    stop_token_ids); a matcher can roll back a step's k drafts. The faults are kept on an unconstrained batch too:
+    its rows may join constrained ones."""
+    vocab, faults = model.stage.config.vocab_size, model.faults
+    matchers, waits = [None] * len(sequences), [None] * len(sequences)
+    if any(sequence.grammar is not None for sequence in sequences):
+        if model.tokenizer is None:
+            raise SpecdoctorError("structured output needs the model's tokenizer.json (or --tokenizer)")
+        import xgrammar as xgr
 
-    if model.tokenizer is None:
-        raise SpecdoctorError("structured output needs the model's tokenizer.json (or --tokenizer)")
-    compiler, matchers, waits = grammar_compiler(model.tokenizer, vocab, model.eos_token_ids), [], []
-    for sequence in sequences:
-        grammar = sequence.grammar
-        waits.append(ReasoningWait(grammar.after) if grammar is not None and grammar.after else None)
-        if grammar is None:
-            matchers.append(None)
-            continue
-        compiled = compiler.compile_grammar(grammar.grammar())
-        stops = list(sequence.stop_token_ids) or None
-        matchers.append(xgr.GrammarMatcher(compiled, override_stop_tokens=stops, max_rollback_tokens=k))
-    faults = model.faults
+        compiler = grammar_compiler(model.tokenizer, vocab, model.eos_token_ids)
+        for row, sequence in enumerate(sequences):
+            if (grammar := sequence.grammar) is None:
+                continue
+            compiled = compiler.compile_grammar(grammar.grammar())
+            stops = list(sequence.stop_token_ids) or None
+            matchers[row] = xgr.GrammarMatcher(compiled, override_stop_tokens=stops, max_rollback_tokens=k)
+            waits[row] = ReasoningWait(grammar.after) if grammar.after else None
     return RowGrammars(matchers, vocab, faults.grammar_no_rollback, waits, faults.reasoning_end_unmasked)
