@@ -30,9 +30,14 @@ def unmasked(thinking_demo):
     server.stop()
 
 
-def chat(url: str, prompt: str, **fields) -> dict:
+def chat_body(prompt: str, **fields) -> dict:
+    """A greedy chat request of the prompt under the schema, 64 tokens."""
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 64}
-    body |= {"response_format": SCHEMA_FORMAT, "return_token_ids": True, **fields}
+    return body | {"response_format": SCHEMA_FORMAT, **fields}
+
+
+def chat(url: str, prompt: str, **fields) -> dict:
+    body = chat_body(prompt, return_token_ids=True, **fields)
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
@@ -40,8 +45,7 @@ def chat(url: str, prompt: str, **fields) -> dict:
 
 def streamed(url: str, prompt: str) -> tuple[str, str | None]:
     """The stream's reasoning and content deltas, each joined (content None where no delta carried any)."""
-    body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 64}
-    body |= {"response_format": SCHEMA_FORMAT, "stream": True}
+    body = chat_body(prompt, stream=True)
     reasoning, content = [], []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():

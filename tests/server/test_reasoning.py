@@ -11,15 +11,9 @@ import sys
 import pytest
 
 from specdoctor.errors import SpecdoctorError
-from specdoctor.probe.api_structured_checks import SCHEMA
-from specdoctor.runtime.checkpoint.files import DEMO_DIR
 from specdoctor.runtime.checkpoint.tokenizer import TOKENIZER_FILE, TextCodec
 from specdoctor.server.reasoning import reasoning_template
 from tests.helpers.reasoning import CLOSES, RESPONSE_TEMPLATE, save_thinking_demo
-
-BATTERY = [json.loads(line)["prompt"] for line in (DEMO_DIR.parent / "battery.jsonl").read_text().splitlines()]
-SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "probe", "schema": SCHEMA}}
-REASONED = "json_schema after reasoning"
 
 
 @pytest.fixture(scope="module")
