@@ -23,10 +23,9 @@ from benchmarks.common import add_json_option, machine, numeric_table, write_jso
 from benchmarks.probe_rates import interval
 from specdoctor.battery import load_battery, prompt_of
 from specdoctor.probe.client import Probe
-from specdoctor.probe.options import DEFAULT_SAMPLING_TOKENS, ProbeOptions
+from specdoctor.probe.options import ALPHA, DEFAULT_SAMPLING_TOKENS, ProbeOptions
 from specdoctor.probe.output_sweeps import SAMPLING_TOKENS_PER_REQUEST, calibration, two_sample_findings
 from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, parse_settings
-from specdoctor.probe.stats import ALPHA
 from tests.helpers.servers import SpecdoctorServer
 
 SETTINGS = parse_settings(DEFAULT_SETTINGS)

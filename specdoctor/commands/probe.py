@@ -13,7 +13,7 @@ from specdoctor.commands.options import BatteryOption, HtmlOption, JsonReportOpt
 from specdoctor.commands.output import emit_report
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe.corpus import STARTS
-from specdoctor.probe.options import DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
+from specdoctor.probe.options import ALPHA, DEFAULT_CONCURRENCY, DEFAULT_SAMPLING_TOKENS, ProbeOptions, SweepOptions
 from specdoctor.probe.pace import SAFETY
 from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, parse_settings
 from specdoctor.report import ProbeReport, Sweep, acceptance_row, findings_table, render_verdict
@@ -78,6 +78,22 @@ ApiFlag = Annotated[
         "logit bias, penalties, seeds; against --reference-url where given.",
     ),
 ]
+AlphaOption = Annotated[
+    float,
+    typer.Option(
+        min=1e-9,
+        max=0.5,
+        help="Each sweep's false-positive rate: the chance that a healthy server fails it (its tests split it).",
+    ),
+]
+PromptSeedOption = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Start the sweeps' prompts elsewhere in the corpus (0: where they always start): to see a verdict on "
+        "other prompts.",
+    ),
+]
 AllFlag = Annotated[
     bool,
     typer.Option(
@@ -129,6 +145,8 @@ def probe(
     sampling_settings: SamplingSettingsOption = DEFAULT_SETTINGS,
     reference_url: ReferenceUrlOption = None,
     api: ApiFlag = False,
+    alpha: AlphaOption = ALPHA,
+    prompt_seed: PromptSeedOption = 0,
     run_all: AllFlag = False,
     json_out: JsonReportOption = None,
     junit_xml: JunitOption = None,
@@ -149,6 +167,8 @@ def probe(
         reference_url=reference_url,
         api=api or run_all,
         every_sweep=run_all,
+        alpha=alpha,
+        prompt_seed=prompt_seed,
     )
     options = ProbeOptions(
         url, api_key, model, battery, min_acceptance_length, max_tokens, request_timeout, timeout, sweeps

@@ -9,6 +9,7 @@ were trained on 128-token sequences, and what they write after a long context is
 from __future__ import annotations
 
 import gzip
+import random
 from functools import cache
 from importlib import resources
 
@@ -24,10 +25,13 @@ def corpus_text() -> str:
 STARTS = 64  # the places prompts start at, spread over the corpus: the most prompts a sweep sends of one length
 
 
-def corpus_prompt(index: int, chars: int) -> str:
+def corpus_prompt(index: int, chars: int, seed: int = 0) -> str:
     """The `index`-th prompt of `chars` characters: the corpus from the `index`-th of STARTS places (a line's
-    start), so prompts of one index differ only in how far they go on."""
+    start), so prompts of one index differ only in how far they go on. A `seed` (probe --prompt-seed) moves each
+    place to a random line of its share of the corpus, drawn apart for every index (so that seeds side by side do
+    not give the same prompts); 0 keeps them where they always were."""
     text = corpus_text()
-    start = text.find("\n", len(text) * (index % STARTS) // STARTS) + 1
+    shift = random.Random(f"{seed} {index % STARTS}").random() if seed else 0.0
+    start = text.find("\n", int(len(text) * ((index % STARTS) + shift) / STARTS)) + 1
     laps = -(-(start + chars) // len(text))
     return (text * laps)[start : start + chars]

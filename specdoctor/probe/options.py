@@ -8,6 +8,7 @@ from pathlib import Path
 from specdoctor.checks.acceptance import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from specdoctor.probe.sampling_settings import DEFAULT_SETTINGS, SamplingSetting, parse_settings
 
+ALPHA = 0.001  # each sweep's family-wise false-positive rate, unless --alpha
 DEFAULT_CONCURRENCY = (1, 4, 16)
 DEFAULT_SAMPLING_TOKENS = 2000
 
@@ -25,6 +26,8 @@ class SweepOptions:
     reference_url: str | None = None  # the same model served with speculation off
     api: bool = False  # the request API under speculation (probe/api_sweep.py)
     every_sweep: bool = False  # --all: a sweep it cannot run for want of a flag is said, not left out silently
+    alpha: float = ALPHA
+    prompt_seed: int = 0  # where the sweeps' prompts start in the corpus (corpus.corpus_prompt)
 
     @property
     def asked(self) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from specdoctor.probe.client import Probe, Served, first_choice
 from specdoctor.probe.options import SweepOptions
 from specdoctor.probe.sampling_settings import SamplingSetting, merge_sparse_bins, rank_probabilities
-from specdoctor.probe.stats import ALPHA, Unit, calibration_p_value, fall_p_value
+from specdoctor.probe.stats import Unit, calibration_p_value, fall_p_value
 from specdoctor.probe.verdicts import not_run, sweep_of
 from specdoctor.report import Finding, Sweep
 
@@ -147,7 +147,7 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
     the server reports, transformed to that setting. With a reference (speculation off), each setting is sampled
     there too, and the two samples compared."""
     points, findings, summaries = [], [], []
-    alpha = ALPHA / len(options.sampling_settings)
+    alpha = options.alpha / len(options.sampling_settings)
     other = probe.sibling(options.reference_url) if options.reference_url else None
     other_served = other.served_model() if other else None
     for setting in options.sampling_settings:
@@ -193,7 +193,7 @@ def two_sample_findings(reference_url: str, setting, result: dict, reference: di
 def sampling_finding(options: SweepOptions, setting, result: dict, reference: dict | str | None) -> Finding:
     """The setting's output is off its distribution; with a reference, the same test without speculation tells
     the sampler from the speculation."""
-    alpha = ALPHA / len(options.sampling_settings)
+    alpha = options.alpha / len(options.sampling_settings)
     if result["outside"]:
         message = (
             f"at {setting.label}, {result['outside']} of {result['tokens']} sampled tokens fell where that setting "

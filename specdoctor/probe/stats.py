@@ -1,7 +1,7 @@
 """The tests `probe`'s sweeps decide with (docs/probe.md §Thresholds): each has a stated false-positive rate.
 
-ALPHA is the family-wise false-positive rate of one sweep: a sweep that compares several groups with its
-reference splits it between them (Bonferroni).
+A sweep's family-wise false-positive rate (options.ALPHA, or probe --alpha) is split between the groups it
+compares with its reference (Bonferroni).
 
 Acceptance is compared with the request as the unit: a request's drafts are correlated (one text, one
 trajectory: measured dispersion 1.4), so each rate's variance is the cluster-robust one of a ratio estimator
@@ -14,9 +14,6 @@ import math
 from statistics import NormalDist
 
 import torch
-
-ALPHA = 0.001
-
 
 Unit = tuple[int, int]  # one request's (or one wave of concurrent requests') position-0 acceptances and drafts
 POWER = 0.9  # the power a sweep's size is chosen for

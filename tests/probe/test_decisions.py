@@ -13,10 +13,10 @@ from specdoctor.checks.acceptance import broken_position0_limit
 from specdoctor.probe.acceptance_sweeps import CONTEXT_KEEP, CONTEXT_SIZED_FOR, compare_groups
 from specdoctor.probe.client import Window
 from specdoctor.probe.corpus import STARTS
+from specdoctor.probe.options import ALPHA
 from specdoctor.probe.output_sweeps import two_sample_findings
 from specdoctor.probe.sampling_settings import SamplingSetting
 from specdoctor.probe.stats import (
-    ALPHA,
     MAX_PROMPTS,
     POWER,
     clustered_upper_bound,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specdoctor.probe.acceptance_sweeps import context_lengths
+from specdoctor.probe.corpus import STARTS, corpus_prompt, corpus_text
 from specdoctor.probe.options import DEFAULT_SAMPLING_TOKENS, SweepOptions
 from specdoctor.probe.output_sweeps import divergence
 from specdoctor.probe.stats import calibration_p_value
@@ -184,6 +185,9 @@ def test_bad_sweep_flags_exit_2_in_one_line(servers):
     )
     single = probe(servers["healthy"].url, "--concurrency", "4")
     assert single.returncode == 2 and "give two levels or more" in single.stderr
+    for alpha in ("0", "0.6"):  # a rate no test can hold, or one past a coin's
+        bad = probe(servers["healthy"].url, "--concurrency", "1,4", "--alpha", alpha)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--alpha" in bad.stderr
     fault = subprocess.run(
         [sys.executable, "-m", "specdoctor", "serve", "--model", "demo", "--fault", "stale-rows"],
         capture_output=True,
@@ -192,6 +196,37 @@ def test_bad_sweep_flags_exit_2_in_one_line(servers):
     )
     assert fault.returncode == 2 and "--fault: unknown fault 'stale-rows'" in fault.stderr
     assert len(fault.stderr.strip().splitlines()) == 1
+
+
+def test_a_prompt_seed_sends_other_prompts_and_the_report_keeps_it_and_alpha(servers):
+    """--prompt-seed moves the sweeps' prompts in the corpus (the same server, other counts); the report's settings
+    say which prompts and which alpha decided it, so a run can be repeated, and the sweep's summary its alpha."""
+    runs = {
+        seed: probe(
+            servers["healthy"].url, "--concurrency", "1,4", "--prompt-seed", seed, "--alpha", "0.05", "--json", "-"
+        )
+        for seed in ("0", "7")
+    }
+    reports = {seed: json.loads(run.stdout) for seed, run in runs.items() if run.returncode == 0}
+    assert len(reports) == 2, [run.stdout[-2000:] + run.stderr for run in runs.values()]
+    assert [reports[seed]["settings"]["sweeps"]["prompt_seed"] for seed in ("0", "7")] == [0, 7]
+    assert reports["7"]["settings"]["sweeps"]["alpha"] == 0.05
+    assert "variance, false-positive rate 0.05;" in reports["7"]["sweeps"][0]["summary"]
+    counts = {seed: [p["metrics"] for p in report["sweeps"][0]["points"]] for seed, report in reports.items()}
+    assert counts["0"] != counts["7"]
+
+
+def test_corpus_prompts_move_with_the_seed_and_stay_paired_across_lengths():
+    """Seed 0 keeps the places prompts always started at (STARTS lines spread over the corpus); a seed moves each
+    by one shift, so prompt i of every length still starts at one place (the context sweep pairs them)."""
+    text = corpus_text()
+    for index in (0, 17, STARTS - 1):
+        place = text.find("\n", len(text) * index // STARTS) + 1
+        assert corpus_prompt(index, 300) == text[place : place + 300]
+        moved = corpus_prompt(index, 2000, seed=3)
+        assert moved.startswith(corpus_prompt(index, 300, seed=3)) and not moved.startswith(text[place : place + 300])
+        assert corpus_prompt(index, 300, seed=3) != corpus_prompt(index, 300, seed=4)
+    assert corpus_prompt(STARTS + 5, 300, seed=3) == corpus_prompt(5, 300, seed=3)  # STARTS places, as before
 
 
 def test_context_buckets_double_up_to_what_the_served_length_holds():
