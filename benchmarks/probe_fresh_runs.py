@@ -36,8 +36,8 @@ SWEEP_FLAGS = {
     "prefix-cache": ("--prefix-cache",),
     "concurrency": ("--concurrency", ",".join(map(str, CONCURRENCY))),
 }
-# probe_rates.py's cases, those of 20 runs first, then the healthy ones; the prefix cache's healthy server is the
-# demo's, whose runs take two thirds of demo-dspark's.
+# probe_rates.py's cases (`planned` runs the faults first); the prefix cache's healthy server is the demo's, whose
+# runs take two thirds of demo-dspark's.
 CASES = (
     Case("concurrency", "demo", "stale-batch-rows"),
     Case("context", "demo", "drafter-max-position=1024"),
