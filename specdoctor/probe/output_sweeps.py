@@ -168,7 +168,7 @@ def sampling_sweep(probe: Probe, served: Served, options: SweepOptions, prompts:
             points.append({"label": f"{options.reference_url} at {setting.label}", **reference})
         summaries.append(summary)
         if result["p_value"] < alpha:
-            findings.append(sampling_finding(options, setting, result, reference))
+            findings.append(sampling_finding(setting, result, reference, alpha))
     return sweep_of("sampling", "; ".join(summaries), points[0]["source"], points, findings)
 
 
@@ -190,10 +190,9 @@ def two_sample_findings(reference_url: str, setting, result: dict, reference: di
     return [Finding("probe.sampling", "error", message, SAMPLING_HINT, "sampling", result)]
 
 
-def sampling_finding(options: SweepOptions, setting, result: dict, reference: dict | str | None) -> Finding:
-    """The setting's output is off its distribution; with a reference, the same test without speculation tells
-    the sampler from the speculation."""
-    alpha = options.alpha / len(options.sampling_settings)
+def sampling_finding(setting, result: dict, reference: dict | str | None, alpha: float) -> Finding:
+    """The setting's output is off its distribution at `alpha` (the setting's share of the sweep's); with a
+    reference, the same test without speculation tells the sampler from the speculation."""
     if result["outside"]:
         message = (
             f"at {setting.label}, {result['outside']} of {result['tokens']} sampled tokens fell where that setting "
