@@ -4,13 +4,14 @@ healthy servers and each fault's power, with their binomial intervals.
     python -m benchmarks.probe_rates [--runs 1000] [--alpha 0.05] [--json FILE]
 
 The servers (`specdoctor serve`, PP 1, fp32, eager) answer a pool of prompts once, each request's own counters
-kept: every corpus start at every context length, 64 prompts cold then warm (as long as the prefix-cache sweep
-finds it needs), 64 corpus prompts at each concurrency level. A run draws its prompts
+kept: every corpus start at every context length, 64 corpus prompts at each concurrency level. A run draws its prompts
 from the pool at random, as a probe with other prompts would send, and is decided by the sweep's own code
 (`compare_groups`, sized as `context_sweep` sizes itself) at `--alpha`. Runs differ in their prompts, not in a
 server's numerics: a deterministic server gives the same counts for the same prompt, which is why the pools
 hold 64 prompts (the corpus's starts). The intervals are over those draws: they say how well 1,000 runs pin the
-rule's rate on these pools, not how a rate varies between servers.
+rule's rate on these pools, not how a rate varies between servers. The prefix-cache sweep is measured in fresh
+runs only (`probe_fresh_runs.py`): a pool froze one history of the server's cache, on which its fault's effect
+depends, and said 100 % where fresh runs found it in 70 % and 40 % (docs/probe.md §Fresh runs).
 """
 
 from __future__ import annotations
@@ -29,16 +30,12 @@ from specdoctor.probe.acceptance_sweeps import (
     CONTEXT_KEEP,
     CONTEXT_SIZED_FOR,
     MIN_SWEEP_PROMPTS,
-    PREFIX_MAX_TOKENS,
-    PREFIX_PROMPTS,
     chars_per_token,
     compare_groups,
-    prefix_prompt_tokens,
-    sized_prompts,
 )
 from specdoctor.probe.client import Probe, Window
 from specdoctor.probe.corpus import STARTS, corpus_prompt
-from specdoctor.probe.options import ProbeOptions, SweepOptions
+from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.stats import prompts_for_power, rate_upper_bound
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer
@@ -60,9 +57,6 @@ CASES = (
     Case("context", "demo-dspark", None),
     Case("context", "demo-dspark", "drafter-rope-past=256"),
     Case("context", "demo-eagle3", None),  # no fault: a head trained on 128-token sequences, run past that
-    Case("prefix-cache", "demo-dspark", None),
-    Case("prefix-cache", "demo-dspark", "prefix-cache-drafter-kv"),
-    Case("prefix-cache", "demo", "prefix-cache-drafter-kv"),
     Case("concurrency", "demo", None),
     Case("concurrency", "demo", "stale-batch-rows"),
 )
@@ -80,24 +74,12 @@ def pool(case: Case, prompts: int = STARTS) -> list[list]:
             per_token = chars_per_token(probe, probe.served_model())
             groups = [[corpus_prompt(i, int(length * per_token)) for i in range(prompts)] for length in CONTEXT_LENGTHS]
             windows = [probe.measure(model, prompts) for prompts in groups]
-        elif case.sweep == "prefix-cache":  # prompts as long as the sweep finds it needs
-            served = probe.served_model()
-            found = prefix_prompt_tokens(probe, served, SweepOptions(), chars_per_token(probe, served))
-            sized = sized_prompts(probe, served, prompts, *found)
-            windows = [probe.measure(model, sized, max_tokens=PREFIX_MAX_TOKENS) for _ in ("cold", "warm")]
         else:  # the sweep's own prompts, 64 of them, at each level
             group = [corpus_prompt(i, CONCURRENCY_PROMPT_CHARS) for i in range(prompts)]
             windows = [probe.measure(model, group, concurrency=level) for level in CONCURRENCY]
     finally:
         server.stop()
     return [list(zip(window.replies, window.units, strict=True)) for window in windows]
-
-
-def joined(parts: list[Window]) -> Window:
-    whole = parts[0]
-    for part in parts[1:]:
-        whole = whole.joined(part)
-    return whole
 
 
 def window_of(entries: list) -> Window:
@@ -123,7 +105,7 @@ def one_run(case: Case, groups: list[list], rng: random.Random, alpha: float) ->
         labels = [f"{length} tokens" for length in CONTEXT_LENGTHS]
         sweep = compare_groups("context", windows, labels, None, "", cliff=True, keep=CONTEXT_KEEP, alpha=alpha)
     else:
-        count = PREFIX_PROMPTS if case.sweep == "prefix-cache" else max(CONCURRENCY[-1], CONCURRENCY_MIN_PROMPTS)
+        count = max(CONCURRENCY[-1], CONCURRENCY_MIN_PROMPTS)
         chosen = rng.sample(range(size), count)
         windows = [window_of([group[i] for i in chosen]) for group in groups]
         sweep = compare_groups(case.sweep, windows, [str(n) for n in range(len(groups))], None, "", alpha=alpha)

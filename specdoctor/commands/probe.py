@@ -47,8 +47,8 @@ SweepPromptsOption = Annotated[
     typer.Option(
         min=2,
         max=STARTS,
-        help="Prompts per context-length bucket (default: as many as the sweep's power needs) and per prefix-cache "
-        "group (default: 64).",
+        help="Prompts per context-length bucket and per prefix-cache group (default: as many as each sweep's power "
+        "needs).",
     ),
 ]
 ConcurrencyOption = Annotated[

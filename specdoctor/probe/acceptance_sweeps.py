@@ -67,13 +67,17 @@ PREFIX_ROOM = 0.97
 PREFIX_FIRST_CUT = 0.75
 PREFIX_SIZING_CONCURRENCY = 16
 PREFIX_START = 128
-# Prompts (unless --sweep-prompts) and tokens each: about 2,000 drafts a group at a mean length of 2. At 48 x 32
-# the demo-dspark's prefix-cache-drafter-kv (position 0 about 64 % cold, 53 % warm) passed 1 of 4 fresh-server
-# runs (p above ALPHA; the prompts' random first line moves what the reused blocks hold); at 64 x 64, 12 of 12
-# new servers failed it, the largest p 1.7e-6, but 20 runs on one server, each its own --prompt-seed, only 8
-# (benchmarks/probe_fresh_runs.py): this size is too small for that fault at ALPHA (docs/probe.md §Fresh runs).
-PREFIX_PROMPTS = 64
-PREFIX_MAX_TOKENS = 64
+# The warm prompts' drafts are the ones a drafter that lost its context K/V gets wrong: at first, while its context
+# is mostly the restored prompt. With prefix-cache-drafter-kv, 64 prompts of 16 tokens gave t = 4.9-6.9 (demo) and
+# 7.7 (demo-dspark) in 11-15 s; of 64 tokens, 5.1 and 4.2 in 34-47 s; of 8, 1.8-3.7 (benchmarks/results/
+# prefix_design.json).
+PREFIX_MAX_TOKENS = 16
+# Prompts go in rounds, each cold and then warm, so the cache need hold only a round's blocks. The first round
+# sizes the sweep: as many prompts as a fall to PREFIX_SIZED_FOR of the cold rate needs to be found with
+# stats.POWER, from that round's own spread, at most PREFIX_MAX_PROMPTS (the corpus' shares, four laps round).
+PREFIX_ROUND = 32
+PREFIX_SIZED_FOR = 0.85
+PREFIX_MAX_PROMPTS = 4 * STARTS
 CONCURRENCY_HINT = (
     "rows of a batched drafter step read what they should not: padded or stale rows (vllm#26191, tokenspeed#955) "
     "or CUDA graphs captured for another batch (vLLM PRs #54374, #52816): rerun with --enforce-eager (vLLM) or "
@@ -161,31 +165,64 @@ def chars_per_token(probe: Probe, served: Served) -> float | str:
 
 
 def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> Sweep:
-    """The same long prompts twice: cold (a random first line: never seen), then warm (their blocks cached)."""
+    """The same long prompts twice, round by round: cold (a random first line: never seen), then warm (their blocks
+    cached)."""
     per_token = chars_per_token(probe, served)
     if isinstance(per_token, str):
         return not_run("prefix-cache", per_token)
     found = prefix_prompt_tokens(probe, served, options, per_token)
     if isinstance(found, str):
         return not_run("prefix-cache", found)
-    count = options.sweep_prompts or PREFIX_PROMPTS
-    prompts = sized_prompts(probe, served, count, *found, options.prompt_seed)
-    if isinstance(prompts, str):
-        return not_run("prefix-cache", prompts)
-    cold = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
-    before = probe.samples()
-    warm = probe.measure(served.model, prompts, max_tokens=PREFIX_MAX_TOKENS)
-    after = probe.samples()
-    failed = cold.errors + warm.errors
-    if failed:
-        return not_run("prefix-cache", f"{len(failed)} requests failed: {failed[0]}")
-    hits = cached_tokens(warm, before, after)
+    count, needed, sent, rounds = options.sweep_prompts or PREFIX_ROUND, 0, 0, []
+    while sent < count:
+        indices = range(sent, min(count, sent + PREFIX_ROUND))
+        sent_round = cold_then_warm(probe, served, sized_prompts(probe, served, indices, *found, options.prompt_seed))
+        if isinstance(sent_round, str):
+            return not_run("prefix-cache", sent_round)
+        rounds.append(sent_round)
+        if sent == 0 and not options.sweep_prompts:  # the first round sizes the sweep
+            needed = prompts_for_power(sent_round[0].position0_units, PREFIX_SIZED_FOR, 1.0, options.alpha)
+            count = max(count, min(PREFIX_MAX_PROMPTS, needed))
+        sent = indices.stop
+    cold, warm = (joined([part[group] for part in rounds]) for group in (0, 1))
+    hits = None if any(part[2] is None for part in rounds) else sum(part[2] for part in rounds)
     total = sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in warm.replies)
     if hits is None or hits < PREFIX_SHARE * total:
         return not_run("prefix-cache", f"the warm prompts found {hits or 0:,} of their {total:,} tokens in the cache")
-    sweep = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, PREFIX_HINT, alpha=options.alpha)
-    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,} ({count} prompts, sized to hit)"
+    sized = f"{count} prompts" + (
+        " (--sweep-prompts)"
+        if options.sweep_prompts
+        else f", power {POWER:g} to find a fall to {PREFIX_SIZED_FOR:.0%} of the cold rate"
+        + (f" (capped at {PREFIX_MAX_PROMPTS})" if needed > PREFIX_MAX_PROMPTS else "")
+    )
+    sweep = compare_groups(
+        "prefix-cache", [cold, warm], ["cold", "warm"], None, PREFIX_HINT, sized=sized, alpha=options.alpha
+    )
+    sweep.summary += f"; warm prompt tokens cached: {hits:,} of {total:,}"
     return sweep
+
+
+def cold_then_warm(
+    probe: Probe, served: Served, prompts: list[str] | str, max_tokens: int = PREFIX_MAX_TOKENS
+) -> tuple[Window, Window, int | None] | str:
+    """A round's prompts sent cold, then again warm, and the warm ones' tokens found in the cache; or why not."""
+    if isinstance(prompts, str):
+        return prompts
+    cold = probe.measure(served.model, prompts, max_tokens=max_tokens)
+    before = probe.samples()
+    warm = probe.measure(served.model, prompts, max_tokens=max_tokens)
+    failed = cold.errors + warm.errors
+    if failed:
+        return f"{len(failed)} requests failed: {failed[0]}"
+    return cold, warm, cached_tokens(warm, before, probe.samples())
+
+
+def joined(parts: list[Window]) -> Window:
+    """The rounds' windows as one group."""
+    whole = parts[0]
+    for part in parts[1:]:
+        whole = whole.joined(part)
+    return whole
 
 
 def prefix_prompt_tokens(
@@ -227,23 +264,23 @@ def prefix_prompt_tokens(
 
 
 def sized_prompts(
-    probe: Probe, served: Served, count: int, tokens: int, per_token: float, seed: int = 0
+    probe: Probe, served: Served, indices: range, tokens: int, per_token: float, seed: int = 0
 ) -> list[str] | str:
-    """`count` prompts of about `tokens` tokens, each a random first line (never seen) and its stretch of the
-    corpus cut by that stretch's own density; or why not. The densities are measured on the same stretches under
-    another first line, so no block of theirs is cached before the cold round."""
+    """The prompts of these indices, of about `tokens` tokens, each a random first line (never seen) and its
+    stretch of the corpus cut by that stretch's own density; or why not. The densities are measured on the same
+    stretches under another first line, so no block of theirs is cached before the cold round."""
     scratch, nonce = secrets.token_hex(8), secrets.token_hex(8)
-    chars = [int(tokens * per_token * PREFIX_FIRST_CUT)] * count
+    chars = [int(tokens * per_token * PREFIX_FIRST_CUT)] * len(indices)
     for _ in range(2):
-        trial = [f"# {scratch} {i}\n" + corpus_prompt(i, size, seed) for i, size in enumerate(chars)]
+        trial = [f"# {scratch} {i}\n" + corpus_prompt(i, size, seed) for i, size in zip(indices, chars, strict=True)]
         replies = probe.complete_all(served.model, trial, PREFIX_SIZING_CONCURRENCY, max_tokens=1)
         measured = [(reply.get("usage") or {}).get("prompt_tokens") for reply in replies]
         missing = [i for i, got in enumerate(measured) if not isinstance(got, int) or got <= 0]
         if missing:
             why = replies[missing[0]].get("error", replies[missing[0]])
-            return f"prompt {missing[0]}, sent to count its tokens, got no usage.prompt_tokens: {why}"
+            return f"prompt {indices[missing[0]]}, sent to count its tokens, got no usage.prompt_tokens: {why}"
         chars = [int(size * tokens / got) for size, got in zip(chars, measured, strict=True)]
-    return [f"# {nonce} {i}\n" + corpus_prompt(i, size, seed) for i, size in enumerate(chars)]
+    return [f"# {nonce} {i}\n" + corpus_prompt(i, size, seed) for i, size in zip(indices, chars, strict=True)]
 
 
 def cached_tokens(warm: Window, before: list | None, after: list | None) -> int | None:

@@ -22,16 +22,21 @@ def corpus_text() -> str:
     return gzip.decompress(data).decode("utf-8")
 
 
-STARTS = 64  # the places prompts start at, spread over the corpus: the most prompts a sweep sends of one length
+STARTS = 64  # the shares of the corpus prompts start in: the most prompts a context bucket sends (long prompts
+# from one share would overlap)
+GOLDEN = (5**0.5 - 1) / 2  # prompts past STARTS start this far on again in their share: the laps spread evenly
 
 
 def corpus_prompt(index: int, chars: int, seed: int = 0) -> str:
-    """The `index`-th prompt of `chars` characters: the corpus from the `index`-th of STARTS places (a line's
-    start), so prompts of one index differ only in how far they go on. A `seed` (probe --prompt-seed) moves each
-    place to a random line of its share of the corpus, drawn apart for every index (so that seeds side by side do
-    not give the same prompts); 0 keeps them where they always were."""
+    """The `index`-th prompt of `chars` characters: the corpus from a line's start in the `index % STARTS`-th of
+    STARTS shares, so prompts of one index differ only in how far they go on. A share's first prompt starts at
+    its start, each later lap of the indices a golden-ratio step further round the share (short prompts, such as
+    the prefix-cache sweep's, then reach past STARTS without repeating). A `seed` (probe --prompt-seed) moves
+    each share's places by a random offset, drawn apart for every share (so that seeds side by side do not give
+    the same prompts); 0 keeps them where they always were."""
     text = corpus_text()
-    shift = random.Random(f"{seed} {index % STARTS}").random() if seed else 0.0
-    start = text.find("\n", int(len(text) * ((index % STARTS) + shift) / STARTS)) + 1
+    share, lap = index % STARTS, index // STARTS
+    shift = random.Random(f"{seed} {share}").random() if seed else 0.0
+    start = text.find("\n", int(len(text) * (share + (shift + lap * GOLDEN) % 1) / STARTS)) + 1
     laps = -(-(start + chars) // len(text))
     return (text * laps)[start : start + chars]

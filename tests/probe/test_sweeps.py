@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from specdoctor.probe.acceptance_sweeps import context_lengths
+from specdoctor.probe.acceptance_sweeps import PREFIX_MAX_PROMPTS, PREFIX_ROUND, context_lengths
 from specdoctor.probe.corpus import STARTS, corpus_prompt, corpus_text
 from specdoctor.probe.options import DEFAULT_SAMPLING_TOKENS, SweepOptions
 from specdoctor.probe.output_sweeps import divergence
@@ -149,7 +150,12 @@ def test_a_prefix_cache_that_loses_the_drafters_context_fails_the_prefix_cache_s
     report = json.loads(result.stdout)
     errors = [f for f in report["findings"] if f["severity"] == "error"]
     assert [f["check"] for f in errors] == ["probe.prefix-cache"] and errors[0]["data"]["from"] == "warm"
-    assert "cached:" in report["sweeps"][0]["summary"] and "not reported" not in report["sweeps"][0]["summary"]
+    summary = report["sweeps"][0]["summary"]
+    assert "cached:" in summary and "not reported" not in summary
+    # the first round sized the sweep, and the rounds after it joined its groups
+    sized = int(re.search(r"(\d+) prompts, power 0.9 to find a fall to 85% of the cold rate", summary).group(1))
+    assert PREFIX_ROUND < sized <= PREFIX_MAX_PROMPTS
+    assert [point["requests"] for point in report["sweeps"][0]["points"]] == [sized, sized]
 
 
 def test_prefix_caching_restores_blocks_without_changing_output(servers):
@@ -218,7 +224,9 @@ def test_a_prompt_seed_sends_other_prompts_and_the_report_keeps_it_and_alpha(ser
 
 def test_corpus_prompts_move_with_the_seed_and_stay_paired_across_lengths():
     """Seed 0 keeps the places prompts always started at (STARTS lines spread over the corpus); a seed moves each
-    by one shift, so prompt i of every length still starts at one place (the context sweep pairs them)."""
+    share's places, so prompt i of every length still starts at one place (the context sweep pairs them). Indices
+    past STARTS (the prefix-cache sweep's, up to PREFIX_MAX_PROMPTS) start elsewhere in their share, apart enough
+    that its short prompts do not repeat one another, whatever the seed."""
     text = corpus_text()
     for index in (0, 17, STARTS - 1):
         place = text.find("\n", len(text) * index // STARTS) + 1
@@ -226,7 +234,15 @@ def test_corpus_prompts_move_with_the_seed_and_stay_paired_across_lengths():
         moved = corpus_prompt(index, 2000, seed=3)
         assert moved.startswith(corpus_prompt(index, 300, seed=3)) and not moved.startswith(text[place : place + 300])
         assert corpus_prompt(index, 300, seed=3) != corpus_prompt(index, 300, seed=4)
-    assert corpus_prompt(STARTS + 5, 300, seed=3) == corpus_prompt(5, 300, seed=3)  # STARTS places, as before
+    share = len(text) / STARTS
+    for seed in (0, 3, 4):
+        # where each starts: 3,000 characters are found once in the corpus (300 may be found several times; the
+        # last share's wrap round its start)
+        starts = [(text + text).index(corpus_prompt(i, 3000, seed)) for i in range(PREFIX_MAX_PROMPTS)]
+        assert all(i % STARTS * share <= start <= (i % STARTS + 1) * share + 200 for i, start in enumerate(starts))
+        for first in range(STARTS):  # a share's laps a golden-ratio step apart: 0.146 of it at least, less a line
+            laps = sorted(starts[first::STARTS])
+            assert min(b - a for a, b in zip(laps, laps[1:], strict=False)) > 0.13 * share, (seed, first)
 
 
 def test_context_buckets_double_up_to_what_the_served_length_holds():
