@@ -8,9 +8,11 @@ Every run is `specdoctor probe --SWEEP --alpha ALPHA --prompt-seed RUN` against 
 its own prompts (the seed moves where each starts in the corpus), its own requests, decided by the probe's own
 code and sized by it. So the runs' trajectories differ, where `probe_rates.py` resamples one pool of replies: a
 deterministic server repeats itself exactly, and runs over the same prompts are one observation. The cases are
-`probe_rates.py`'s (the context sweep at its three lengths), `specdoctor serve`, PP 1, fp32, eager. Healthy
-servers run at `--alpha`, which 100 runs resolve; faults at the probe's own alpha by default, the power a user
-gets. The JSON is written after every run; `--resume` keeps its finished cases.
+`probe_rates.py`'s (the context sweep at its three lengths), the concurrency sweep on a bf16 server too (whose
+numerics vary with the batch, so the levels' trajectories differ), and the sampling sweep at --all's size (its
+draws unseeded: every run a fresh sample); `specdoctor serve`, PP 1, eager. Healthy servers run at `--alpha`,
+which 100 runs resolve; faults at the probe's own alpha by default, the power a user gets. The JSON is written
+after every run; `--resume` keeps its finished cases.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from rich.progress import Progress
 
 from benchmarks.common import add_json_option, numeric_table, write_json
 from benchmarks.probe_rates import CONCURRENCY, CONTEXT_LENGTHS, Case, interval
-from specdoctor.probe.options import ALPHA
+from specdoctor.probe.options import ALPHA, DEFAULT_SAMPLING_TOKENS
 from tests.helpers.servers import SpecdoctorServer, probe
 
 SWEEP_FLAGS = {
     "context": ("--context-sweep", "--context-lengths", ",".join(map(str, CONTEXT_LENGTHS))),
     "prefix-cache": ("--prefix-cache",),
     "concurrency": ("--concurrency", ",".join(map(str, CONCURRENCY))),
+    "sampling": ("--sampling", str(DEFAULT_SAMPLING_TOKENS)),  # --all's: unseeded draws, a fresh sample every run
 }
 # probe_rates.py's cases (`planned` runs the faults first); the prefix cache's healthy server is the demo's, whose
 # runs take two thirds of demo-dspark's.
@@ -44,18 +47,21 @@ CASES = (
     Case("context", "demo-eagle3", None),  # no fault: a head trained on 128-token sequences, run past that
     Case("prefix-cache", "demo", "prefix-cache-drafter-kv"),
     Case("concurrency", "demo", None),
+    Case("concurrency", "demo", None, "bfloat16"),  # levels' trajectories differ: 5 of 16 requests' counts did
     Case("context", "demo", None),
     Case("prefix-cache", "demo", None),
     Case("prefix-cache", "demo-dspark", "prefix-cache-drafter-kv"),
     Case("context", "demo-dspark", "drafter-rope-past=256"),
+    Case("sampling", "demo", "sampling-params-ignored"),
+    Case("sampling", "demo", "rejection-reuse-uniform"),
+    Case("sampling", "demo", None),
 )
 
 
 @contextmanager
 def served(case: Case):
     """The case's server, up for its runs."""
-    args = ("--fault", case.fault, "--allow-unhealthy") if case.fault else ()
-    server = SpecdoctorServer(*args, model=case.model)
+    server = SpecdoctorServer(*case.serve_args, model=case.model)
     try:
         yield server.url
     finally:
@@ -79,6 +85,7 @@ def row_of(case: Case, alpha: float, statuses: list[str], started: float) -> dic
         "sweep": case.sweep,
         "model": case.model,
         "fault": case.fault,
+        "dtype": case.dtype,
         "alpha": alpha,
         "runs": runs,
         "failed": failed,
@@ -100,7 +107,7 @@ def planned(args: argparse.Namespace) -> list[tuple[Case, float, int]]:
 
 
 def key(row: dict) -> tuple:
-    return row["sweep"], row["model"], row["fault"], row["alpha"], row["runs"]
+    return row["sweep"], row["model"], row["fault"], row.get("dtype", "float32"), row["alpha"], row["runs"]
 
 
 def main() -> None:
@@ -122,11 +129,12 @@ def main() -> None:
     finished = {key(row) for row in kept}
     todo = [(case, alpha, runs) for case, alpha, runs in planned(args) if (*astuple(case), alpha, runs) not in finished]
     redone = {(*astuple(case), alpha) for case, alpha, _ in todo}
-    rows = [row for row in kept if key(row)[:4] not in redone]  # a case cut short runs again, whole
+    rows = [row for row in kept if key(row)[:5] not in redone]  # a case cut short runs again, whole
     console = Console()
     with Progress(console=console) as progress, tempfile.TemporaryDirectory() as scratch:
         for case, alpha, runs in todo:
-            task = progress.add_task(f"{case.sweep} {case.model} {case.fault or 'healthy'} at {alpha:g}", total=runs)
+            label = f"{case.sweep} {case.model} {case.dtype} {case.fault or 'healthy'} at {alpha:g}"
+            task = progress.add_task(label, total=runs)
             statuses, started = [], time.monotonic()
             with served(case) as url:
                 for seed in range(1, runs + 1):
@@ -135,13 +143,21 @@ def main() -> None:
                     # after every run: hours of runs in all, and one cut short keeps what it measured
                     write_json(args.json, {"cases": [*rows, row_of(case, alpha, statuses, started)]})
             rows.append(row_of(case, alpha, statuses, started))
-    table = numeric_table("fresh runs failing", ("sweep", "model", "fault", "alpha", "runs", "failed", "95 % interval"))
+    columns = ("sweep", "model", "dtype", "fault", "alpha", "runs", "failed", "95 % interval")
+    table = numeric_table("fresh runs failing", columns)
     for row in rows:
         low, high = row["interval_95"]
         failed = f"{row['rate']:.1%}" + (f" ({row['not_run']} not run)" if row["not_run"] else "")
         fault = row["fault"] or "healthy"
         table.add_row(
-            row["sweep"], row["model"], fault, f"{row['alpha']:g}", str(row["runs"]), failed, f"{low:.1%}-{high:.1%}"
+            row["sweep"],
+            row["model"],
+            row.get("dtype", "float32"),
+            fault,
+            f"{row['alpha']:g}",
+            str(row["runs"]),
+            failed,
+            f"{low:.1%}-{high:.1%}",
         )
     console.print(table)
 

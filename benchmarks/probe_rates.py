@@ -49,6 +49,12 @@ class Case:
     sweep: str
     model: str
     fault: str | None  # None: healthy
+    dtype: str = "float32"  # bfloat16: numerics that vary with what is computed together (the batch)
+
+    @property
+    def serve_args(self) -> tuple[str, ...]:
+        faulty = ("--fault", self.fault, "--allow-unhealthy") if self.fault else ()
+        return (*faulty, "--dtype", self.dtype)
 
 
 CASES = (
@@ -65,8 +71,7 @@ CASES = (
 def pool(case: Case, prompts: int = STARTS) -> list[list]:
     """Per condition (bucket, cold/warm, level), each prompt's reply and counters: [(reply, SpecMetrics)]; the
     first `prompts` of the corpus' starts."""
-    args = ("--fault", case.fault, "--allow-unhealthy") if case.fault else ()
-    server = SpecdoctorServer(*args, model=case.model)
+    server = SpecdoctorServer(*case.serve_args, model=case.model)
     try:
         probe = Probe(ProbeOptions(server.url, timeout=3600.0))
         model = probe.served_model().model
