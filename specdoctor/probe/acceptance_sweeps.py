@@ -68,9 +68,10 @@ PREFIX_FIRST_CUT = 0.75
 PREFIX_SIZING_CONCURRENCY = 16
 PREFIX_START = 128
 # The warm prompts' drafts are the ones a drafter that lost its context K/V gets wrong: at first, while its context
-# is mostly the restored prompt. With prefix-cache-drafter-kv, 64 prompts of 16 tokens gave t = 4.9-6.9 (demo) and
-# 7.7 (demo-dspark) in 11-15 s; of 64 tokens, 5.1 and 4.2 in 34-47 s; of 8, 1.8-3.7 (benchmarks/results/
-# prefix_design.json).
+# is mostly the restored prompt. With prefix-cache-drafter-kv, 64 prompts sent as the sweep sends them gave a mean
+# z (the test's p-value as a normal quantile) of 3.3 (demo) and 4.5 (demo-dspark) at 16 tokens in 16-17 s; at 64
+# tokens 4.2 and 2.8 in 37-50 s: z squared per second 0.8-1.2 at 8 to 16 tokens, 0.2-0.5 at 64
+# (benchmarks/results/prefix_design.json, 3 seeds).
 PREFIX_MAX_TOKENS = 16
 # Prompts go in rounds, each cold and then warm, so the cache need hold only a round's blocks. The first round
 # sizes the sweep: as many prompts as a fall to PREFIX_SIZED_FOR of the cold rate needs to be found with
