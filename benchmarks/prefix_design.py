@@ -21,13 +21,11 @@ from rich.progress import Progress
 
 from benchmarks.common import add_json_option, numeric_table, write_json
 from specdoctor.probe.acceptance_sweeps import (
-    PREFIX_ROUND,
     chars_per_token,
-    cold_then_warm,
     compare_groups,
     joined,
     prefix_prompt_tokens,
-    sized_prompts,
+    prefix_rounds,
 )
 from specdoctor.probe.client import Probe
 from specdoctor.probe.options import ProbeOptions, SweepOptions
@@ -38,14 +36,11 @@ MODELS = ("demo", "demo-dspark")
 
 
 def one_design(probe: Probe, found: tuple[int, float], prompts: int, max_tokens: int, seed: int) -> dict:
-    served, started, rounds = probe.served_model(), time.monotonic(), []
-    for first in range(0, prompts, PREFIX_ROUND):
-        indices = range(first, min(prompts, first + PREFIX_ROUND))
-        sent = cold_then_warm(probe, served, sized_prompts(probe, served, indices, *found, seed), max_tokens)
-        if isinstance(sent, str):
-            raise RuntimeError(sent)
-        rounds.append(sent)
-    cold, warm = (joined([part[group] for part in rounds]) for group in (0, 1))
+    served, started = probe.served_model(), time.monotonic()
+    rounds = prefix_rounds(probe, served, range(prompts), found, seed, max_tokens)
+    if isinstance(rounds, str):
+        raise RuntimeError(rounds)
+    cold, warm = joined([part.cold for part in rounds]), joined([part.warm for part in rounds])
     p_value = fall_p_value(cold.position0_units, warm.position0_units, paired=True)
     verdict = compare_groups("prefix-cache", [cold, warm], ["cold", "warm"], None, "").status
     (cold_hits, cold_drafts), (warm_hits, warm_drafts) = cold.position0, warm.position0

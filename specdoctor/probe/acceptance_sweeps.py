@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from typing import NamedTuple
 
 from specdoctor.checks.acceptance import broken_position0_limit
 from specdoctor.probe import prometheus
@@ -174,28 +175,27 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     found = prefix_prompt_tokens(probe, served, options, per_token)
     if isinstance(found, str):
         return not_run("prefix-cache", found)
-    count, needed, sent, rounds = options.sweep_prompts or PREFIX_ROUND, 0, 0, []
-    while sent < count:
-        indices = range(sent, min(count, sent + PREFIX_ROUND))
-        sent_round = cold_then_warm(probe, served, sized_prompts(probe, served, indices, *found, options.prompt_seed))
-        if isinstance(sent_round, str):
-            return not_run("prefix-cache", sent_round)
-        rounds.append(sent_round)
-        if sent == 0 and not options.sweep_prompts:  # the first round sizes the sweep
-            needed = prompts_for_power(sent_round[0].position0_units, PREFIX_SIZED_FOR, 1.0, options.alpha)
-            count = max(count, min(PREFIX_MAX_PROMPTS, needed))
-        sent = indices.stop
-    cold, warm = (joined([part[group] for part in rounds]) for group in (0, 1))
-    hits = None if any(part[2] is None for part in rounds) else sum(part[2] for part in rounds)
-    total = sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in warm.replies)
-    if hits is None or hits < PREFIX_SHARE * total:
-        return not_run("prefix-cache", f"the warm prompts found {hits or 0:,} of their {total:,} tokens in the cache")
-    sized = f"{count} prompts" + (
-        " (--sweep-prompts)"
-        if options.sweep_prompts
-        else f", power {POWER:g} to find a fall to {PREFIX_SIZED_FOR:.0%} of the cold rate"
-        + (f" (capped at {PREFIX_MAX_PROMPTS})" if needed > PREFIX_MAX_PROMPTS else "")
-    )
+    count = options.sweep_prompts or PREFIX_MAX_PROMPTS
+    rounds = prefix_rounds(probe, served, range(min(count, PREFIX_ROUND)), found, options.prompt_seed)
+    if isinstance(rounds, str) or (why := uncached(rounds)):
+        return not_run("prefix-cache", rounds if isinstance(rounds, str) else why)
+    sized = f"{count} prompts (--sweep-prompts)"
+    if not options.sweep_prompts:  # the first round sizes the sweep, from its cold prompts' spread
+        units = rounds[0].cold.position0_units
+        needed = prompts_for_power(units, PREFIX_SIZED_FOR, 1.0, options.alpha) if units else 0
+        count = min(PREFIX_MAX_PROMPTS, max(PREFIX_ROUND, needed))
+        sized = (
+            f"{count} prompts, power {POWER:g} to find a fall to {PREFIX_SIZED_FOR:.0%} of the cold rate"
+            + (f" (capped at {PREFIX_MAX_PROMPTS})" if needed > PREFIX_MAX_PROMPTS else "")
+            if units
+            else f"{count} prompts, not sized: the server counts no acceptance per request"
+        )
+    more = prefix_rounds(probe, served, range(PREFIX_ROUND, count), found, options.prompt_seed)
+    if isinstance(more, str) or (why := uncached(rounds + more)):
+        return not_run("prefix-cache", more if isinstance(more, str) else why)
+    rounds += more
+    cold, warm = joined([part.cold for part in rounds]), joined([part.warm for part in rounds])
+    hits, total = sum(part.hits for part in rounds), prompt_tokens_sent(warm)
     sweep = compare_groups(
         "prefix-cache", [cold, warm], ["cold", "warm"], None, PREFIX_HINT, sized=sized, alpha=options.alpha
     )
@@ -203,19 +203,53 @@ def prefix_cache_sweep(probe: Probe, served: Served, options: SweepOptions) -> S
     return sweep
 
 
-def cold_then_warm(
-    probe: Probe, served: Served, prompts: list[str] | str, max_tokens: int = PREFIX_MAX_TOKENS
-) -> tuple[Window, Window, int | None] | str:
-    """A round's prompts sent cold, then again warm, and the warm ones' tokens found in the cache; or why not."""
-    if isinstance(prompts, str):
-        return prompts
-    cold = probe.measure(served.model, prompts, max_tokens=max_tokens)
-    before = probe.samples()
-    warm = probe.measure(served.model, prompts, max_tokens=max_tokens)
-    failed = cold.errors + warm.errors
-    if failed:
-        return f"{len(failed)} requests failed: {failed[0]}"
-    return cold, warm, cached_tokens(warm, before, probe.samples())
+class Round(NamedTuple):
+    """A round's prompts cold, then warm, and the warm ones' tokens found in the cache (None: not reported)."""
+
+    cold: Window
+    warm: Window
+    hits: int | None
+
+
+def prefix_rounds(
+    probe: Probe,
+    served: Served,
+    indices: range,
+    found: tuple[int, float],
+    seed: int,
+    max_tokens: int = PREFIX_MAX_TOKENS,
+) -> list[Round] | str:
+    """These prompts, PREFIX_ROUND at a time, each round sized, then sent cold and again warm; or why not."""
+    rounds = []
+    for first in range(indices.start, indices.stop, PREFIX_ROUND):
+        part = range(first, min(indices.stop, first + PREFIX_ROUND))
+        prompts = sized_prompts(probe, served, part, *found, seed)
+        if isinstance(prompts, str):
+            return prompts
+        cold = probe.measure(served.model, prompts, max_tokens=max_tokens)
+        before = probe.samples()
+        warm = probe.measure(served.model, prompts, max_tokens=max_tokens)
+        failed = cold.errors + warm.errors
+        if failed:
+            return f"{len(failed)} requests failed: {failed[0]}"
+        rounds.append(Round(cold, warm, cached_tokens(warm, before, probe.samples())))
+    return rounds
+
+
+def uncached(rounds: list[Round]) -> str:
+    """Why these rounds compare too little (their warm prompts found under PREFIX_SHARE of their tokens in the
+    cache, or the server did not say), or ""."""
+    total = sum(prompt_tokens_sent(part.warm) for part in rounds)
+    if any(part.hits is None for part in rounds):
+        return "the server reported no cached tokens for the warm prompts (usage.prompt_tokens_details or /metrics)"
+    hits = sum(part.hits for part in rounds)
+    if hits < PREFIX_SHARE * total:
+        return f"the warm prompts found {hits:,} of their {total:,} tokens in the cache"
+    return ""
+
+
+def prompt_tokens_sent(window: Window) -> int:
+    return sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in window.replies)
 
 
 def joined(parts: list[Window]) -> Window:
