@@ -8,11 +8,11 @@ Every run is `specdoctor probe --SWEEP --alpha ALPHA --prompt-seed RUN` against 
 its own prompts (the seed moves where each starts in the corpus), its own requests, decided by the probe's own
 code and sized by it. So the runs' trajectories differ, where `probe_rates.py` resamples one pool of replies: a
 deterministic server repeats itself exactly, and runs over the same prompts are one observation. The cases are
-`probe_rates.py`'s (the context sweep at its three lengths), the prefix cache's, the concurrency sweep on a bf16 server too (whose
-numerics vary with the batch, so the levels' trajectories differ), and the sampling sweep at --all's size (its
-draws unseeded: every run a fresh sample); `specdoctor serve`, PP 1, eager. Healthy servers run at `--alpha`,
-which 100 runs resolve; faults at the probe's own alpha by default, the power a user gets. The JSON is written
-after every run; `--resume` keeps its finished cases.
+`probe_rates.py`'s (the context sweep at its three lengths), the prefix cache's, the concurrency sweep on a bf16
+server too (whose numerics vary with the batch, so the levels' trajectories differ), and the sampling sweep at
+--all's size (its draws unseeded: every run a fresh sample); `specdoctor serve`, PP 1, eager. Healthy servers run
+at `--alpha`, which 100 runs resolve; faults at the probe's own alpha by default, the power a user gets. The JSON
+is written after every run; `--resume` keeps its finished cases.
 """
 
 from __future__ import annotations
