@@ -19,7 +19,9 @@ def choose_moe_paths(layers: list[MoE], device: torch.device) -> dict[str, int |
     if device.type != "cpu":  # torch's grouped GEMM on CUDA takes bfloat16 on recent GPUs only: not timed there
         return measured
     for layer in layers:
-        if layer.packed:
+        # packed experts take another path; experts on the meta device (a rank built alone, past the memory
+        # limit) never run, and timing them would fail with a cold cache
+        if layer.packed or layer.gate_up.is_meta:
             continue
         shape = "x".join(map(str, layer.gate_up.shape)) + f" {layer.gate_up.dtype}"
         if shape not in measured:
