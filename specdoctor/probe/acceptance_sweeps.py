@@ -249,6 +249,7 @@ def uncached(rounds: list[Round]) -> str:
 
 
 def prompt_tokens_sent(window: Window) -> int:
+    """The group's prompt tokens in all, as the server counted them."""
     return sum((reply.get("usage") or {}).get("prompt_tokens", 0) for reply in window.replies)
 
 
@@ -394,8 +395,7 @@ class RunningPeak:
 
 def prompt_tokens(window: Window) -> int:
     """The group's mean prompt length, as the server counted it."""
-    counts = [(reply.get("usage") or {}).get("prompt_tokens", 0) for reply in window.replies]
-    return round(sum(counts) / len(counts)) if counts else 0
+    return round(prompt_tokens_sent(window) / len(window.replies)) if window.replies else 0
 
 
 def compare_groups(
