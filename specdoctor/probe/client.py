@@ -1,7 +1,8 @@
 """Judge a live deployment's speculative decoding from outside, over HTTP (`specdoctor probe`).
 
 The probe sends the battery (completions, greedy, fixed max_tokens) once, with no retries that
-could double count. Acceptance comes from the best source the server offers:
+could double count: only a GET (idempotent) is sent again, once, where the server closed its connection.
+Acceptance comes from the best source the server offers:
   per-request   counters in each response (`spec_decode`, specdoctor's server): exactly the probe's own
                 traffic, whatever else the server is doing;
   sglang        `meta_info.spec_verify_ct` per response: mean length = completion tokens / verify count;
@@ -26,6 +27,11 @@ from specdoctor.probe.pace import SAFETY, Pace
 from specdoctor.probe.stats import Unit
 from specdoctor.report import Finding
 from specdoctor.runtime.decode.metrics import SpecMetrics
+
+# uvicorn (vLLM's, SGLang's and specdoctor's server) closes a connection idle for 5 s; httpx's default keeps one
+# for 5 s too, so a request sent on a connection idle for about 5 s can meet the server's close and get no reply.
+# Dropping idle connections well before the server does leaves no such race (docs/probe.md, "Connections").
+KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,8 @@ class Probe:
         self.options = options
         self.url = (url or options.url).rstrip("/")
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        self.client = httpx.Client(base_url=self.url, headers=headers)
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        self.client = httpx.Client(base_url=self.url, headers=headers, limits=limits)
         # each request's timeout follows this server's pace, inside the one budget
         self.pace = Pace(options.request_timeout, options.timeout, deadline)
         self.in_flight = 0
@@ -106,7 +113,12 @@ class Probe:
 
     def get(self, path: str) -> httpx.Response:
         try:
-            return self.client.get(path, timeout=self.pace.timeout(1, 1))
+            try:
+                return self.client.get(path, timeout=self.pace.timeout(1, 1))
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # the server closed a kept-alive connection as the request went out (a server whose keep-alive
+                # is shorter than KEEPALIVE_S): a GET changes nothing, so it goes once more, on a new connection
+                return self.client.get(path, timeout=self.pace.timeout(1, 1))
         except httpx.HTTPError as err:
             raise SpecdoctorError(f"{self.url}: cannot reach the server ({type(err).__name__}: {err})") from None
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 import xml.etree.ElementTree as ET
 
 import httpx
@@ -15,7 +16,8 @@ import pytest
 
 from specdoctor.errors import SpecdoctorError
 from specdoctor.probe import prometheus
-from specdoctor.probe.client import acceptance, enable_hint, probe_findings
+from specdoctor.probe.client import KEEPALIVE_S, Probe, acceptance, enable_hint, probe_findings
+from specdoctor.probe.options import ProbeOptions
 from specdoctor.probe.pace import SAFETY, BudgetSpent, Pace
 from specdoctor.runtime.decode.metrics import SpecMetrics
 from tests.helpers.servers import SpecdoctorServer as Server
@@ -162,6 +164,71 @@ def test_a_server_that_is_not_openai_compatible_exits_2():
         httpd.shutdown()
     assert result.returncode == 2
     assert "not an OpenAI-compatible server" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+class KeepAliveServer(http.server.BaseHTTPRequestHandler):
+    """A keep-alive server that drops a request on a kept-alive connection without a reply, as uvicorn does when
+    its keep-alive timer closes a connection as the request arrives: with `idle_s` None, every second request on a
+    connection (the worst case); else one arriving after `idle_s` idle. Answers anything else `{"data": []}`."""
+
+    protocol_version = "HTTP/1.1"
+    idle_s: float | None = None
+    requests: list[tuple[int, bool]] = []  # (connection, answered), in arrival order
+
+    def setup(self) -> None:
+        super().setup()
+        self.served, self.last = 0, time.monotonic()
+
+    def do_GET(self) -> None:
+        idle = time.monotonic() - self.last
+        dropped = self.served > 0 and (self.idle_s is None or idle >= self.idle_s)
+        self.requests.append((id(self), not dropped))
+        if dropped:
+            self.close_connection = True
+            return
+        body = b'{"data": []}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.served, self.last = self.served + 1, time.monotonic()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.do_GET()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def keep_alive_server():
+    handler = type("Handler", (KeepAliveServer,), {"requests": []})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_a_get_the_server_drops_on_a_kept_alive_connection_goes_once_more_on_a_new_one(keep_alive_server):
+    handler, url = keep_alive_server
+    client = Probe(ProbeOptions(url))
+    assert [client.get("/metrics").status_code for _ in range(2)] == [200, 200]
+    first, dropped, again = handler.requests
+    assert dropped == (first[0], False) and again[1] and again[0] != first[0]
+
+
+def test_a_completion_never_goes_on_a_connection_idle_as_long_as_a_servers_keep_alive(keep_alive_server):
+    """A server that drops a request arriving after KEEPALIVE_S + 0.5 s idle (uvicorn's 5 s, scaled down): the
+    probe has dropped the connection by then and sends its completion on a new one, once."""
+    handler, url = keep_alive_server
+    handler.idle_s = KEEPALIVE_S + 0.5
+    client = Probe(ProbeOptions(url))
+    client.complete("demo", "a")
+    time.sleep(handler.idle_s + 0.1)
+    assert "error" not in client.complete("demo", "b")
+    assert [answered for _, answered in handler.requests] == [True, True]
 
 
 class Throttled:
