@@ -10,7 +10,9 @@ code and sized by it. So the runs' trajectories differ, where `probe_rates.py` r
 deterministic server repeats itself exactly, and runs over the same prompts are one observation. The cases are
 `probe_rates.py`'s (the context sweep at its three lengths), the prefix cache's, the concurrency sweep on a bf16
 server too (whose numerics vary with the batch, so the levels' trajectories differ), and the sampling sweep at
---all's size (its draws unseeded: every run a fresh sample); `specdoctor serve`, PP 1, eager. Healthy servers run
+--all's size (its draws unseeded: every run a fresh sample); `specdoctor serve`, PP 1, eager; and vLLM's CPU
+build healthy (the peer suite's environment: fp32, MTP k 3, eager, prefix caching on, max_model_len 512), under
+concurrency and with its prefix cache, whose scheduling, batching and kernels are the engine's own. Healthy servers run
 at `--alpha`, which 100 runs resolve; faults at the probe's own alpha by default, the power a user gets. The JSON
 is written after every run; `--resume` keeps its finished cases.
 """
@@ -31,8 +33,11 @@ from rich.progress import Progress
 from benchmarks.common import add_json_option, numeric_table, write_json
 from benchmarks.probe_rates import CONCURRENCY, CONTEXT_LENGTHS, Case, interval
 from specdoctor.probe.options import ALPHA, DEFAULT_SAMPLING_TOKENS
+from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from tests.helpers.servers import SpecdoctorServer, probe
+from tests.peer.vllm_server import VllmServer
 
+VLLM_K = 3  # the demo's k on `serve`, so both engines draft alike
 SWEEP_FLAGS = {
     "context": ("--context-sweep", "--context-lengths", ",".join(map(str, CONTEXT_LENGTHS))),
     "prefix-cache": ("--prefix-cache",),
@@ -55,13 +60,19 @@ CASES = (
     Case("sampling", "demo", "sampling-params-ignored"),
     Case("sampling", "demo", "rejection-reuse-uniform"),
     Case("sampling", "demo", None),
+    # the real engine: its own scheduler, batching and kernels (max_model_len 512, so no context sweep here)
+    Case("concurrency", "demo", None, engine="vllm"),
+    Case("prefix-cache", "demo", None, engine="vllm"),
 )
 
 
 @contextmanager
 def served(case: Case):
     """The case's server, up for its runs."""
-    server = SpecdoctorServer(*case.serve_args, model=case.model)
+    if case.engine == "vllm":
+        server = VllmServer(DEMO_MODELS[case.model], VLLM_K, eager=True)
+    else:
+        server = SpecdoctorServer(*case.serve_args, model=case.model)
     try:
         yield server.url
     finally:
@@ -86,6 +97,7 @@ def row_of(case: Case, alpha: float, statuses: list[str], started: float) -> dic
         "model": case.model,
         "fault": case.fault,
         "dtype": case.dtype,
+        "engine": case.engine,
         "alpha": alpha,
         "runs": runs,
         "failed": failed,
@@ -107,7 +119,9 @@ def planned(args: argparse.Namespace) -> list[tuple[Case, float, int]]:
 
 
 def key(row: dict) -> tuple:
-    return row["sweep"], row["model"], row["fault"], row.get("dtype", "float32"), row["alpha"], row["runs"]
+    """A row's case, alpha and runs, as `(*astuple(case), alpha, runs)` spells them."""
+    case = Case(row["sweep"], row["model"], row["fault"], row.get("dtype", "float32"), row.get("engine", "specdoctor"))
+    return *astuple(case), row["alpha"], row["runs"]
 
 
 def main() -> None:
@@ -129,11 +143,11 @@ def main() -> None:
     finished = {key(row) for row in kept}
     todo = [(case, alpha, runs) for case, alpha, runs in planned(args) if (*astuple(case), alpha, runs) not in finished]
     redone = {(*astuple(case), alpha) for case, alpha, _ in todo}
-    rows = [row for row in kept if key(row)[:5] not in redone]  # a case cut short runs again, whole
+    rows = [row for row in kept if key(row)[:-1] not in redone]  # a case cut short runs again, whole
     console = Console()
     with Progress(console=console) as progress, tempfile.TemporaryDirectory() as scratch:
         for case, alpha, runs in todo:
-            label = f"{case.sweep} {case.model} {case.dtype} {case.fault or 'healthy'} at {alpha:g}"
+            label = f"{case.sweep} {case.engine} {case.model} {case.dtype} {case.fault or 'healthy'} at {alpha:g}"
             task = progress.add_task(label, total=runs)
             statuses, started = [], time.monotonic()
             with served(case) as url:
@@ -143,7 +157,7 @@ def main() -> None:
                     # after every run: hours of runs in all, and one cut short keeps what it measured
                     write_json(args.json, {"cases": [*rows, row_of(case, alpha, statuses, started)]})
             rows.append(row_of(case, alpha, statuses, started))
-    columns = ("sweep", "model", "dtype", "fault", "alpha", "runs", "failed", "95 % interval")
+    columns = ("sweep", "engine", "model", "dtype", "fault", "alpha", "runs", "failed", "95 % interval")
     table = numeric_table("fresh runs failing", columns)
     for row in rows:
         low, high = row["interval_95"]
@@ -151,6 +165,7 @@ def main() -> None:
         fault = row["fault"] or "healthy"
         table.add_row(
             row["sweep"],
+            row.get("engine", "specdoctor"),
             row["model"],
             row.get("dtype", "float32"),
             fault,

@@ -50,6 +50,7 @@ class Case:
     model: str
     fault: str | None  # None: healthy
     dtype: str = "float32"  # bfloat16: numerics that vary with what is computed together (the batch)
+    engine: str = "specdoctor"  # vllm: vLLM's CPU build serves it (probe_fresh_runs.py), fp32, MTP k 3, eager
 
     @property
     def serve_args(self) -> tuple[str, ...]:
