@@ -33,6 +33,7 @@ from rich.progress import Progress
 from benchmarks.common import add_json_option, numeric_table, write_json
 from benchmarks.probe_rates import CONCURRENCY, CONTEXT_LENGTHS, Case, interval
 from specdoctor.probe.options import ALPHA, DEFAULT_SAMPLING_TOKENS
+from specdoctor.report import NOT_RUN
 from specdoctor.runtime.checkpoint.files import DEMO_MODELS
 from tests.helpers.servers import SpecdoctorServer, probe
 from tests.peer.vllm_server import VllmServer
@@ -62,15 +63,17 @@ CASES = (
     Case("sampling", "demo", None),
     # the real engine: its own scheduler, batching and kernels (max_model_len 512, so no context sweep here)
     Case("concurrency", "demo", None, engine="vllm"),
+    Case("concurrency", "demo", None, "bfloat16", engine="vllm"),
     Case("prefix-cache", "demo", None, engine="vllm"),
 )
+SAME_PROMPTS = ("concurrency", "prefix-cache")  # sweeps whose groups are the same prompts under two conditions
 
 
 @contextmanager
 def served(case: Case):
     """The case's server, up for its runs."""
     if case.engine == "vllm":
-        server = VllmServer(DEMO_MODELS[case.model], VLLM_K, eager=True)
+        server = VllmServer(DEMO_MODELS[case.model], VLLM_K, eager=True, dtype=case.dtype)
     else:
         server = SpecdoctorServer(*case.serve_args, model=case.model)
     try:
@@ -79,19 +82,23 @@ def served(case: Case):
         server.stop()
 
 
-def sweep_status(url: str, case: Case, seed: int, alpha: float, report: Path) -> str:
+def sweep_status(url: str, case: Case, seed: int, alpha: float, report: Path) -> tuple[str, bool]:
     """One fresh run's verdict on the case's sweep: passed, failed or NOT_RUN (the battery's own findings, which a
-    fault may raise, are not the sweep's)."""
+    fault may raise, are not the sweep's); and whether its groups' acceptance figures differed."""
     flags = (*SWEEP_FLAGS[case.sweep], "--alpha", str(alpha), "--prompt-seed", str(seed), "--json", str(report))
     result = probe(url, *flags, timeout=1800)
     if result.returncode == 2 or not report.exists():
         raise RuntimeError(f"probe {' '.join(flags)} could not run: {result.stdout[-2000:]}{result.stderr[-2000:]}")
-    sweeps = json.loads(report.read_text())["sweeps"]
-    return next(sweep["status"] for sweep in sweeps if sweep["name"] == case.sweep)
+    sweep = next(sweep for sweep in json.loads(report.read_text())["sweeps"] if sweep["name"] == case.sweep)
+    figures = {json.dumps(point.get("metrics"), sort_keys=True) for point in sweep["points"]}
+    return sweep["status"], len(figures) > 1
 
 
-def row_of(case: Case, alpha: float, statuses: list[str], started: float) -> dict:
+def row_of(case: Case, alpha: float, outcomes: list[tuple[str, bool]], started: float) -> dict:
+    statuses = [status for status, _ in outcomes]
     runs, failed = len(statuses), statuses.count("failed")
+    # where the groups are the same prompts, a run whose figures differed met the server's own variance
+    differed = {"groups_differed": sum(differ for _, differ in outcomes)} if case.sweep in SAME_PROMPTS else {}
     return {
         "sweep": case.sweep,
         "model": case.model,
@@ -101,10 +108,11 @@ def row_of(case: Case, alpha: float, statuses: list[str], started: float) -> dic
         "alpha": alpha,
         "runs": runs,
         "failed": failed,
-        "not_run": statuses.count("NOT_RUN"),
+        "not_run": statuses.count(NOT_RUN),
         "rate": failed / runs,
         "interval_95": interval(failed, runs),
         "seconds_per_run": round((time.monotonic() - started) / runs, 1),
+        **differed,
     }
 
 
@@ -149,14 +157,14 @@ def main() -> None:
         for case, alpha, runs in todo:
             label = f"{case.sweep} {case.engine} {case.model} {case.dtype} {case.fault or 'healthy'} at {alpha:g}"
             task = progress.add_task(label, total=runs)
-            statuses, started = [], time.monotonic()
+            outcomes, started = [], time.monotonic()
             with served(case) as url:
                 for seed in range(1, runs + 1):
-                    statuses.append(sweep_status(url, case, seed, alpha, Path(scratch) / "report.json"))
+                    outcomes.append(sweep_status(url, case, seed, alpha, Path(scratch) / "report.json"))
                     progress.advance(task)
                     # after every run: hours of runs in all, and one cut short keeps what it measured
-                    write_json(args.json, {"cases": [*rows, row_of(case, alpha, statuses, started)]})
-            rows.append(row_of(case, alpha, statuses, started))
+                    write_json(args.json, {"cases": [*rows, row_of(case, alpha, outcomes, started)]})
+            rows.append(row_of(case, alpha, outcomes, started))
     columns = ("sweep", "engine", "model", "dtype", "fault", "alpha", "runs", "failed", "95 % interval")
     table = numeric_table("fresh runs failing", columns)
     for row in rows:

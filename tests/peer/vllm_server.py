@@ -23,7 +23,7 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` on the model, fp32, greedy-capable, MTP with k drafts
+    """`python -m vllm.entrypoints.openai.api_server` on the model, fp32 (or `dtype`), greedy-capable, MTP with k drafts
     (`drafter`: the speculative config's method and model of a drafter checkpoint instead; `schedule`: k by the
     batch's rows, vLLM's dynamic speculation; `extra_args`: more of vLLM's flags). `eager`: without
     vLLM's torch.compile step (a minute of start-up on 2 cores; the oracle tests' tokens and counters are the
@@ -40,12 +40,13 @@ class VllmServer:
         tp: int = 1,
         schedule: list[tuple[int, int, int]] | None = None,
         extra_args: tuple[str, ...] = (),
+        dtype: str = "float32",
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
         command = [str(ensure_vllm()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        command += ["--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "512"]
+        command += ["--served-model-name", served_name, "--dtype", dtype, "--max-model-len", "512"]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         # Prefix caching as vLLM defaults it (on), said aloud; its hits reported in usage for the probe's sweep.
         command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
